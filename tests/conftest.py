@@ -1,0 +1,60 @@
+"""Shared fixtures: random-init checkpoints of each supported family, written with save_pretrained."""
+
+import pytest
+import torch
+
+# name: (transformers config class, architecture kwargs)
+FAMILIES = {
+    "qwen3-gqa2-tied": ("Qwen3Config", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                            tie_word_embeddings=True)),
+    "qwen3-headdim-differs-untied": ("Qwen3Config", dict(hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+                                                         num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                                                         tie_word_embeddings=False, rope_theta=1_000_000.0)),
+    "qwen3-attention-bias-mha": ("Qwen3Config", dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                                     num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+                                                     attention_bias=True, tie_word_embeddings=False)),
+    "qwen2-qkv-bias-gqa4": ("Qwen2Config", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                num_attention_heads=8, num_key_value_heads=2,
+                                                tie_word_embeddings=True, rope_theta=500_000.0)),
+    "llama-untied-gqa8": ("LlamaConfig", dict(hidden_size=128, intermediate_size=160, num_hidden_layers=2,
+                                              num_attention_heads=8, num_key_value_heads=1,
+                                              tie_word_embeddings=False)),
+    "llama-biases-llama3-rope": ("LlamaConfig", dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        attention_bias=True, mlp_bias=True, head_dim=32, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="llama3", rope_theta=500_000.0, factor=8.0, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_position_embeddings=64))),
+}
+
+
+def save_random_checkpoint(folder, family: str, vocab_size: int = 256, seed: int = 0, **overrides):
+    """A random-init transformers model of `family`, saved with save_pretrained; returns the HF model."""
+    import transformers
+
+    class_name, kwargs = FAMILIES[family]
+    kwargs = {**kwargs, **overrides}
+    if "rope_theta" in kwargs:
+        kwargs["rope_parameters"] = dict(rope_type="default", rope_theta=kwargs.pop("rope_theta"))
+    config = getattr(transformers, class_name)(vocab_size=vocab_size, max_position_embeddings=256,
+                                               bos_token_id=1, eos_token_id=2, pad_token_id=0, **kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # random init leaves norms at 1 and biases at 0: perturb them so their code paths are tested
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.eval()
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """family -> (folder, transformers model)."""
+    made = {}
+    for family in FAMILIES:
+        folder = tmp_path_factory.mktemp(family)
+        made[family] = (folder, save_random_checkpoint(folder, family))
+    return made

@@ -4,6 +4,7 @@
     python -m minivllm.notebook_tools check-export      # fail if the package differs from the notebooks
     python -m minivllm.notebook_tools clean [NB ...]    # strip volatile metadata, keep outputs
     python -m minivllm.notebook_tools execute [NB ...] [--inplace | --out DIR]
+    python -m minivllm.notebook_tools book              # execute everything, render book/_build/html
 
 A code cell whose first line is `# export: minivllm/<module>.py` is the source of that code. Cells are
 written in book order (notebooks sorted by name, cells top to bottom) under a generated header.
@@ -140,11 +141,58 @@ def execute(path: Path, timeout: int = 1200):
     return nb
 
 
+def all_notebooks() -> list[Path]:
+    return book_notebooks() + sorted((NOTEBOOKS / "solutions").glob("[0-9][0-9]_*.ipynb"))
+
+
+def execute_all(paths: list[Path], inplace: bool = False, out: Path | None = None) -> bool:
+    """Execute notebooks in order, printing each one's time; stop at the first failure, naming it."""
+    total = time.time()
+    for number, path in enumerate(paths, 1):
+        name = path.relative_to(NOTEBOOKS) if path.is_relative_to(NOTEBOOKS) else path.name
+        print(f"[{number}/{len(paths)}] {name} ...", end=" ", flush=True)
+        start = time.time()
+        try:
+            nb = execute(path)
+        except NotebookFailed as failure:
+            print("FAILED", flush=True)
+            print(failure, file=sys.stderr)
+            return False
+        print(f"{time.time() - start:.0f}s", flush=True)
+        target = path if inplace else out / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        nbformat.write(nb, target)
+    print(f"executed {len(paths)} notebooks in {time.time() - total:.0f}s")
+    return True
+
+
+def build_book(root: Path = ROOT) -> bool:
+    """Execute every notebook into book/_build/src beside the book's pages, then render them with Sphinx."""
+    import shutil
+    import subprocess
+
+    book = root / "book"
+    src = book / "_build" / "src"
+    shutil.rmtree(src, ignore_errors=True)
+    shutil.copytree(book, src, ignore=shutil.ignore_patterns("_build", "conf.py"))
+    if not execute_all(all_notebooks(), out=src / "notebooks"):
+        return False
+    start = time.time()
+    html = book / "_build" / "html"
+    result = subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-q", "-c", str(book), str(src), str(html)])
+    if result.returncode:
+        print("sphinx failed: see the messages above", file=sys.stderr)
+        return False
+    print(f"rendered the book in {time.time() - start:.0f}s: open {html.relative_to(root)}/index.html")
+    return True
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("export")
     sub.add_parser("check-export")
+    sub.add_parser("book")
     p_clean = sub.add_parser("clean")
     p_clean.add_argument("notebooks", nargs="*", type=Path)
     p_exec = sub.add_parser("execute")
@@ -167,29 +215,13 @@ def main(argv=None) -> int:
             return 1
         print("package in sync with the notebooks")
         return 0
-    paths = args.notebooks or book_notebooks() + sorted((NOTEBOOKS / "solutions").glob("*.ipynb"))
+    if args.command == "book":
+        return 0 if build_book() else 1
+    paths = args.notebooks or all_notebooks()
     if args.command == "clean":
         clean(paths)
         return 0
-    total = time.time()
-    for number, path in enumerate(paths, 1):
-        print(f"[{number}/{len(paths)}] {path.name} ...", end=" ", flush=True)
-        start = time.time()
-        try:
-            nb = execute(path)
-        except NotebookFailed as failure:
-            print("FAILED")
-            print(failure, file=sys.stderr)
-            return 1
-        print(f"{time.time() - start:.0f}s", flush=True)
-        if args.inplace:
-            nbformat.write(nb, path)
-        else:
-            out = args.out / path.relative_to(NOTEBOOKS) if path.is_relative_to(NOTEBOOKS) else args.out / path.name
-            out.parent.mkdir(parents=True, exist_ok=True)
-            nbformat.write(nb, out)
-    print(f"executed {len(paths)} notebooks in {time.time() - total:.0f}s")
-    return 0
+    return 0 if execute_all(paths, inplace=args.inplace, out=args.out) else 1
 
 
 if __name__ == "__main__":

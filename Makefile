@@ -1,0 +1,33 @@
+# Every target sets itself up: .venv is created or reused by scripts/setup_venv.sh.
+PY := .venv/bin/python
+NBVAL := --nbval --sanitize-with tests/nbval_sanitize.cfg
+
+.PHONY: install book test lab export clean-notebooks notebooks
+
+install:
+	@bash scripts/setup_venv.sh
+
+## make book: execute every notebook in book order, then render the HTML book into book/_build/html
+book: install
+	$(PY) -m minivllm.notebook_tools book
+
+## make test: package tests, strict nbval on every notebook and solution, and the export-sync check
+test: install
+	$(PY) -m minivllm.notebook_tools check-export
+	$(PY) -m pytest -p no:cacheprovider tests notebooks $(NBVAL)
+
+## make lab: JupyterLab on the notebooks
+lab: install
+	.venv/bin/jupyter lab notebooks
+
+## make export: notebooks -> package (the `# export: minivllm/<module>.py` cells)
+export: install
+	$(PY) -m minivllm.notebook_tools export
+
+## make clean-notebooks: strip execution counts and volatile metadata, keep outputs
+clean-notebooks: install
+	$(PY) -m minivllm.notebook_tools clean
+
+## make notebooks: re-execute every notebook in place (after changing engine code), then clean them
+notebooks: install
+	$(PY) -m minivllm.notebook_tools execute --inplace

@@ -1,0 +1,13 @@
+# Sphinx + myst-nb + sphinx-book-theme: builds offline (Jupyter Book 2 downloads its theme at build time).
+# `make book` executes the notebooks into book/_build/src/notebooks first; Sphinx only renders them.
+project = "minivllm: an LLM inference engine, built step by step"
+author = "the minivllm authors"
+copyright = "2026, the minivllm authors"
+extensions = ["myst_nb"]
+nb_execution_mode = "off"
+myst_enable_extensions = ["dollarmath", "amsmath"]
+exclude_patterns = ["_build", "**.ipynb_checkpoints"]
+html_theme = "sphinx_book_theme"
+html_title = "minivllm"
+html_theme_options = {"show_toc_level": 2}
+suppress_warnings = ["mystnb.unknown_mime_type"]

@@ -58,6 +58,7 @@ class Completion:
     finish_reason: str
     start_time: float
     token_times: list[float] = field(repr=False)  # time.perf_counter() when each token was sampled
+    logprobs: list[float] | None = field(default=None, repr=False)  # the model's log-probability of each token
 
     @property
     def ttft(self) -> float:
@@ -82,15 +83,16 @@ def generate_recompute(model, prompt_ids: list[int], params: SamplingParams, tok
         raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in max_model_len={model.config.max_model_len}")
     checker = StopChecker(params, tokenizer, max_new_tokens=room)
     generator = None if params.seed is None else torch.Generator(device).manual_seed(params.seed)
-    tokens, output, times = list(prompt_ids), [], []
+    tokens, output, times, logprobs = list(prompt_ids), [], [], []
     start = time.perf_counter()
     while True:
         input_ids, positions, metadata = NoCacheAttention.for_sequences([tokens], device)
-        hidden = model(input_ids, positions, metadata)
-        token = sample_token(model.compute_logits(hidden[-1:])[0], params, generator)
+        logits = model.compute_logits(model(input_ids, positions, metadata)[-1:])[0]
+        token = sample_token(logits, params, generator)
         times.append(time.perf_counter())
+        logprobs.append(logits.log_softmax(-1)[token].item())
         tokens.append(token)
         output.append(token)
         reason = checker.finish_reason(output)
         if reason:
-            return Completion(list(prompt_ids), output, checker.text(output), reason, start, times)
+            return Completion(list(prompt_ids), output, checker.text(output), reason, start, times, logprobs)

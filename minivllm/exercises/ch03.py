@@ -1,0 +1,51 @@
+"""Chapter 3 exercises."""
+
+import torch
+
+from minivllm.exercises import close, exercise, expect
+
+
+@exercise("03.kv_cache_bytes")
+def _kv_cache_bytes():
+    def case(hf_config, num_tokens, dtype_bytes, want):
+        def test(kv_cache_bytes):
+            got = kv_cache_bytes(dict(hf_config), num_tokens, dtype_bytes)
+            expect(got == want, f"{num_tokens} tokens, {dtype_bytes}-byte dtype: {got!r}, expected {want:,}")
+        return test
+
+    llama3_8b = dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8)
+    qwen3_06b = dict(num_hidden_layers=28, hidden_size=1024, num_attention_heads=16, num_key_value_heads=8,
+                     head_dim=128)
+    opt_like = dict(num_hidden_layers=40, hidden_size=5120, num_attention_heads=40)
+    return [
+        ("Llama-3-8B, one token in bf16 (head_dim from hidden_size)", case(llama3_8b, 1, 2, 131_072)),
+        ("Llama-3-8B, 2,048 tokens in fp32", case(llama3_8b, 2048, 4, 2048 * 262_144)),
+        ("Qwen3-0.6B: head_dim is given and differs from hidden / heads", case(qwen3_06b, 10, 2, 10 * 114_688)),
+        ("no num_key_value_heads means multi-head attention", case(opt_like, 1, 2, 819_200)),
+        ("a missing head_dim with num_key_value_heads given", case(dict(llama3_8b, hidden_size=2048), 3, 2, 3 * 65_536)),
+    ]
+
+
+@exercise("03.decode_attention")
+def _decode_attention():
+    from minivllm.attention import causal_attention
+
+    def case(num_heads, num_kv_heads, head_dim, max_len, length, seed):
+        def test(decode_attention):
+            gen = torch.Generator().manual_seed(seed)
+            q = torch.randn(num_heads, head_dim, generator=gen)
+            k_cache = torch.randn(max_len, num_kv_heads, head_dim, generator=gen)
+            v_cache = torch.randn(max_len, num_kv_heads, head_dim, generator=gen)
+            k_cache[length:] = 1e4  # slots past `length` are stale: reading them is a bug
+            v_cache[length:] = 1e4
+            expected = causal_attention(q[None], k_cache[:length], v_cache[:length])[0]
+            close(decode_attention(q, k_cache, v_cache, length), expected,
+                  f"{num_heads} heads over {num_kv_heads} kv heads, {length} of {max_len} slots", atol=1e-4, rtol=1e-4)
+        return test
+
+    return [
+        ("multi-head, one cached token", case(4, 4, 8, 6, 1, 0)),
+        ("multi-head, a full row", case(4, 4, 16, 12, 12, 1)),
+        ("grouped-query: 8 heads over 2 kv heads", case(8, 2, 16, 32, 20, 2)),
+        ("multi-query: 6 heads over 1 kv head", case(6, 1, 32, 40, 33, 3)),
+    ]

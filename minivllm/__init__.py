@@ -9,6 +9,9 @@ from importlib import import_module
 __version__ = "0.1.0"
 
 _PUBLIC = {
+    "LLM": "minivllm.llm",
+    "LLMEngine": "minivllm.engine",
+    "RequestOutput": "minivllm.engine",
     "SamplingParams": "minivllm.sampling",
     "load_model": "minivllm.loader",
 }

@@ -120,9 +120,11 @@ class PagedAttention(AttentionMetadata):
         return torch.cat(outputs)
 
 
-def prepare_paged_batch(kv_cache: PagedKVCache, manager: KVCacheManager, work: list[tuple[object, list[int], int]]):
+def prepare_paged_batch(kv_cache: PagedKVCache, manager: KVCacheManager, work: list[tuple[object, list[int], int]],
+                        backend: type[PagedAttention] = PagedAttention):
     """Flat model input for one step. `work`: (seq_id, new token ids, position of the first one) per sequence,
-    whose blocks are already allocated. Returns input_ids, positions, metadata; copy-on-write copies are done."""
+    whose blocks are already allocated. Returns input_ids, positions, metadata (an instance of `backend`:
+    chapter 8 adds a Triton one); copy-on-write copies are done."""
     device = kv_cache.kv.device
     input_ids, positions, slots, starts, seq_lens = [], [], [], [0], []
     for seq_id, tokens, start in work:
@@ -140,5 +142,5 @@ def prepare_paged_batch(kv_cache: PagedKVCache, manager: KVCacheManager, work: l
     def as_tensor(values):
         return torch.tensor(values, dtype=torch.long, device=device)
 
-    metadata = PagedAttention(kv_cache, as_tensor(slots), as_tensor(starts), as_tensor(seq_lens), block_tables)
+    metadata = backend(kv_cache, as_tensor(slots), as_tensor(starts), as_tensor(seq_lens), block_tables)
     return as_tensor(input_ids), as_tensor(positions), metadata

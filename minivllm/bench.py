@@ -1,0 +1,197 @@
+"""Benchmarks (not tests): throughput and latency of the engine, and the engine against transformers.
+
+    python -m minivllm bench [--num-prompts 64 --output-len 128 ...]   # the engine alone, JSON to stdout
+    python -m minivllm.bench compare --out bench/results               # `make bench`: minivllm vs transformers
+
+`compare` runs the same requests (greedy, ignore_eos) on the same random-init Qwen3-shaped checkpoint
+through minivllm, transformers' `generate` in static padded batches, and transformers' `generate_batch`
+(its continuous batching with paged attention), in one process, one after the other, and reports output
+tokens per second and the ratios side by side. Results are written with the date and the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+BENCH_SHAPE = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=10, num_attention_heads=8,
+                   num_key_value_heads=4, head_dim=64, vocab_size=2048, max_position_embeddings=2048)
+
+
+def make_bench_checkpoint(folder: Path, seed: int = 0) -> int:
+    """A random-init Qwen3 of about 32M parameters, with the tiny model's tokenizer; returns its parameter count."""
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    from minivllm.loader import DEFAULT_MODEL
+
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(Qwen3Config(tie_word_embeddings=True, eos_token_id=0, pad_token_id=0, **BENCH_SHAPE))
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(DEFAULT_MODEL).save_pretrained(folder)
+    return sum(p.numel() for p in model.parameters())
+
+
+def workload(num_prompts: int, min_prompt: int, max_prompt: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, BENCH_SHAPE["vocab_size"]) for _ in range(rng.randint(min_prompt, max_prompt))]
+            for _ in range(num_prompts)]
+
+
+def percentiles(values: list[float]) -> dict:
+    values = sorted(values)
+    pick = lambda q: values[min(len(values) - 1, int(q * len(values)))]
+    return {"mean": statistics.fmean(values), "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
+
+
+def run_minivllm(model_dir, prompts, output_len, **engine_args) -> dict:
+    from minivllm import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), **engine_args)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params, use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    ttft = [o.metrics.first_token_time - start for o in outputs]
+    tpot = [(o.metrics.finished_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
+            for o in outputs if len(o.outputs[0].token_ids) > 1]
+    return {"seconds": elapsed, "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed,
+            "ttft_s": percentiles(ttft), "tpot_s": percentiles(tpot), "stats": llm.stats(),
+            "token_ids": [o.outputs[0].token_ids for o in outputs]}
+
+
+def run_hf_static(model_dir, prompts, output_len, batch_size: int) -> dict:
+    """transformers' generate in static batches, left-padded, in arrival order."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def run(batch):
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
+                                 min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+        return out[:, width:].tolist()
+
+    run(prompts[:2])  # warm-up
+    start = time.perf_counter()
+    token_ids = []
+    for i in range(0, len(prompts), batch_size):
+        token_ids += run(prompts[i:i + batch_size])
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(t) for t in token_ids)
+    return {"seconds": elapsed, "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed,
+            "batch_size": batch_size, "token_ids": token_ids}
+
+
+def run_hf_continuous(model_dir, prompts, output_len) -> dict:
+    """transformers' generate_batch: continuous batching with a paged cache."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    config = GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
+                              eos_token_id=-1, pad_token_id=0)
+    model.generate_batch(prompts[:2], generation_config=config)  # warm-up
+    start = time.perf_counter()
+    results = model.generate_batch(prompts, generation_config=config, progress_bar=True)
+    elapsed = time.perf_counter() - start
+    by_prompt = sorted(results.values(), key=lambda r: int(r.request_id.split("_")[-1]))
+    tokens = sum(len(r.generated_tokens) for r in by_prompt)
+    return {"seconds": elapsed, "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed,
+            "token_ids": [r.generated_tokens for r in by_prompt]}
+
+
+def machine() -> dict:
+    return {"date": datetime.date.today().isoformat(), "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+def compare(args) -> dict:
+    prompts = workload(args.num_prompts, args.min_prompt, args.max_prompt, args.seed)
+    with tempfile.TemporaryDirectory() as folder:
+        params = make_bench_checkpoint(Path(folder))
+        print(f"checkpoint: random-init Qwen3, {params / 1e6:.1f}M parameters; {len(prompts)} prompts of "
+              f"{args.min_prompt}-{args.max_prompt} tokens, {args.output_len} output tokens each", flush=True)
+        runs = {}
+        for name, run in [
+            ("minivllm", lambda: run_minivllm(folder, prompts, args.output_len, max_num_seqs=args.max_num_seqs,
+                                              max_num_batched_tokens=args.max_num_batched_tokens)),
+            ("transformers_generate_static", lambda: run_hf_static(folder, prompts, args.output_len, args.hf_batch_size)),
+            ("transformers_generate_batch", lambda: run_hf_continuous(folder, prompts, args.output_len)),
+        ]:
+            if name in args.skip:
+                continue
+            print(f"running {name} ...", flush=True)
+            try:
+                runs[name] = run()
+            except Exception as error:  # a baseline that cannot run here is reported, not fatal
+                runs[name] = {"error": f"{type(error).__name__}: {error}"}
+            print(f"  {json.dumps({k: v for k, v in runs[name].items() if k != 'token_ids'})[:300]}", flush=True)
+    reference = runs.get("minivllm", {}).get("token_ids")
+    for name, result in runs.items():
+        if "token_ids" in result:
+            result["greedy_tokens_match_minivllm"] = result.pop("token_ids") == reference
+    ours = runs.get("minivllm", {}).get("output_tokens_per_s")
+    ratios = {f"minivllm / {name}": ours / r["output_tokens_per_s"]
+              for name, r in runs.items() if name != "minivllm" and "output_tokens_per_s" in r and ours}
+    return {"machine": machine(), "checkpoint_parameters": params, "workload": vars(args) | {"skip": list(args.skip)},
+            "runs": runs, "throughput_ratios": ratios}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["engine", "compare"])
+    parser.add_argument("--model", default=None, help="checkpoint for `engine` (default: a random-init 32M Qwen3)")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--min-prompt", type=int, default=32)
+    parser.add_argument("--max-prompt", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip", nargs="*", default=[])
+    parser.add_argument("--out", type=Path, default=None, help="folder for the JSON result")
+    args = parser.parse_args(argv)
+    for name in ("num_prompts", "min_prompt", "output_len", "max_num_seqs", "max_num_batched_tokens", "hf_batch_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_prompt < args.min_prompt:
+        parser.error("--max-prompt must be >= --min-prompt")
+
+    if args.command == "compare":
+        result = compare(args)
+    else:
+        prompts = workload(args.num_prompts, args.min_prompt, args.max_prompt, args.seed)
+        with tempfile.TemporaryDirectory() as folder:
+            model = args.model or (make_bench_checkpoint(Path(folder)) and folder)
+            run = run_minivllm(model, prompts, args.output_len, max_num_seqs=args.max_num_seqs,
+                               max_num_batched_tokens=args.max_num_batched_tokens)
+        run.pop("token_ids")
+        result = {"machine": machine(), "workload": vars(args) | {"out": str(args.out)}, "minivllm": run}
+    text = json.dumps(result, indent=2, default=str)
+    print(text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"{args.command}-{result['machine']['date']}.json"
+        path.write_text(text + "\n")
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

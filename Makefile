@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 NBVAL := --nbval --sanitize-with tests/nbval_sanitize.cfg
 
-.PHONY: install book test lab export clean-notebooks notebooks
+.PHONY: install book test lab export clean-notebooks notebooks gpu-check bench
 
 install:
 	@bash scripts/setup_venv.sh
@@ -14,7 +14,7 @@ book: install
 ## make test: package tests, strict nbval on every notebook and solution, and the export-sync check
 test: install
 	$(PY) -m minivllm.notebook_tools check-export
-	$(PY) -m pytest -p no:cacheprovider tests notebooks $(NBVAL)
+	TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 $(PY) -m pytest -p no:cacheprovider tests notebooks $(NBVAL)
 
 ## make lab: JupyterLab on the notebooks
 lab: install
@@ -31,3 +31,11 @@ clean-notebooks: install
 ## make notebooks: re-execute every notebook in place (after changing engine code), then clean them
 notebooks: install
 	$(PY) -m minivllm.notebook_tools execute --inplace
+
+## make bench: minivllm against transformers (generate, generate_batch) on the same requests; JSON in bench/results
+bench: install
+	$(PY) -m minivllm.bench compare --out bench/results
+
+## make gpu-check: on a CUDA machine, chapter 8's kernel tests compiled and their benchmarks -> bench/gpu/
+gpu-check: install
+	$(PY) -m minivllm.gpu_check

@@ -1,4 +1,9 @@
-"""Command line: `python -m minivllm generate "ROMEO:" --max-tokens 50`, `python -m minivllm bench`."""
+"""Command line:
+
+    python -m minivllm generate "ROMEO:" --max-tokens 50
+    python -m minivllm bench [--num-prompts 64 ...]
+    python -m minivllm explain-cache A.txt B.txt [--block-size 16]   # what B would reuse from A's cache
+"""
 
 from __future__ import annotations
 
@@ -11,11 +16,31 @@ def generate(args) -> int:
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_tokens=args.max_tokens, n=args.n, stop=args.stop or None)
-    llm = LLM(args.model, enable_prefix_caching=False)
+    llm = LLM(args.model)
     for output in llm.generate(args.prompts, params, use_tqdm=len(args.prompts) > 1):
         for completion in output.outputs:
             print(output.prompt + completion.text)
             print(f"[{len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def explain_cache(args) -> int:
+    import json
+    from pathlib import Path
+
+    from minivllm.loader import load_model
+    from minivllm.prefix_cache import explain_cache as autopsy, format_autopsy
+
+    _, tokenizer = load_model(args.model)
+
+    def read(path):
+        text = Path(path).read_text()
+        if Path(path).suffix == ".json":  # a chat: [{"role": ..., "content": ...}, ...]
+            return json.loads(text)
+        return text
+
+    result = autopsy(tokenizer, read(args.a), read(args.b), args.block_size, args.salt_a, args.salt_b)
+    print(format_autopsy(result, tokenizer))
     return 0
 
 
@@ -38,10 +63,17 @@ def main(argv=None) -> int:
     gen.add_argument("--n", type=int, default=1)
     gen.add_argument("--stop", action="append", default=[])
     sub.add_parser("bench", help="throughput, TTFT and TPOT of the engine (see python -m minivllm bench --help)")
+    explain = sub.add_parser("explain-cache", help="which blocks of prompt B would be served from A's prefix cache")
+    explain.add_argument("a", help="a text file, or a .json chat (a list of {role, content} messages)")
+    explain.add_argument("b")
+    explain.add_argument("--block-size", type=int, default=16)
+    explain.add_argument("--salt-a", default=None)
+    explain.add_argument("--salt-b", default=None)
+    explain.add_argument("--model", default=None)
     args = parser.parse_args(argv)
     try:
-        return generate(args)
-    except ValueError as error:
+        return explain_cache(args) if args.command == "explain-cache" else generate(args)
+    except (ValueError, OSError) as error:
         parser.error(str(error))
 
 

@@ -39,17 +39,19 @@ class NoCacheAttention(AttentionMetadata):
         return torch.cat(outputs)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int = 0) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Attention of the last q.shape[0] tokens of a sequence over all its k.shape[0] keys.
 
-    The first `num_cached` keys are earlier tokens (a cache); query i sits at position num_cached + i
-    and sees keys 0 .. num_cached + i. Grouped-query attention: each kv head serves heads/kv_heads q heads.
+    Query i sits at position n_k - n_q + i and sees keys 0 .. n_k - n_q + i: with n_q < n_k the first keys
+    are earlier tokens from a cache. Grouped-query attention: each kv head serves heads / kv_heads q heads.
     """
-    group = q.shape[1] // k.shape[1]
     q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, tokens, head_dim]
-    k = k.repeat_interleave(group, dim=0)
-    v = v.repeat_interleave(group, dim=0)
     n_q, n_k = q.shape[1], k.shape[1]
-    mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(diagonal=n_k - n_q)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    if n_q == 1:  # one new token sees every key: no mask at all
+        out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    elif n_q == n_k:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    else:
+        mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(diagonal=n_k - n_q)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     return out.transpose(0, 1)

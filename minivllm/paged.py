@@ -3,6 +3,7 @@
 import math
 
 import torch
+from torch.nn import functional as F
 
 from minivllm.attention import AttentionMetadata, causal_attention
 from minivllm.block_pool import BlockPool, NoFreeBlocksError
@@ -110,14 +111,29 @@ class PagedAttention(AttentionMetadata):
         _, block_size, kv_heads, head_dim = k_cache.shape
         k_cache.view(-1, kv_heads, head_dim)[self.slot_mapping] = k
         v_cache.view(-1, kv_heads, head_dim)[self.slot_mapping] = v
-        outputs = []
+        out = torch.empty_like(q)
         starts, lens = self.query_start_loc.tolist(), self.seq_lens.tolist()
-        for i, seq_len in enumerate(lens):
-            blocks = self.block_tables[i, : math.ceil(seq_len / block_size)]
-            keys = k_cache[blocks].reshape(-1, kv_heads, head_dim)[:seq_len]
-            values = v_cache[blocks].reshape(-1, kv_heads, head_dim)[:seq_len]
-            outputs.append(causal_attention(q[starts[i]:starts[i + 1]], keys, values))
-        return torch.cat(outputs)
+        decodes = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
+        if decodes:  # most of a busy engine's sequences: one query each, attended in one batched call
+            rows = self.query_start_loc[decodes]
+            out[rows] = self._decode(q[rows], k_cache, v_cache, self.block_tables[decodes], self.seq_lens[decodes])
+        for i in sorted(set(range(len(lens))) - set(decodes)):
+            blocks = self.block_tables[i, : math.ceil(lens[i] / block_size)]
+            keys = k_cache[blocks].reshape(-1, kv_heads, head_dim)[: lens[i]]
+            values = v_cache[blocks].reshape(-1, kv_heads, head_dim)[: lens[i]]
+            out[starts[i]:starts[i + 1]] = causal_attention(q[starts[i]:starts[i + 1]], keys, values)
+        return out
+
+    @staticmethod
+    def _decode(q, k_cache, v_cache, block_tables, seq_lens):
+        """q: [seqs, heads, head_dim], one query per sequence, over its blocks (padded to the longest)."""
+        width = math.ceil(int(seq_lens.max()) / k_cache.shape[1])
+        keys = k_cache[block_tables[:, :width]].flatten(1, 2).transpose(1, 2)  # [seqs, kv_heads, tokens, head_dim]
+        values = v_cache[block_tables[:, :width]].flatten(1, 2).transpose(1, 2)
+        visible = torch.arange(keys.shape[2], device=q.device) < seq_lens[:, None]  # [seqs, tokens]
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=visible[:, None, None, :],
+                                             enable_gqa=True)
+        return out.squeeze(2)
 
 
 def prepare_paged_batch(kv_cache: PagedKVCache, manager: KVCacheManager, work: list[tuple[object, list[int], int]],

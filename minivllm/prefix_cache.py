@@ -114,3 +114,67 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         super().free(seq_id)
         self.hashes.pop(seq_id, None)
         self.num_named.pop(seq_id, None)
+
+
+from dataclasses import dataclass
+
+
+@dataclass
+class CacheAutopsy:
+    """What a second prompt, B, would find in the cache after a first one, A, ran: block by block."""
+
+    tokens_a: list[int]
+    tokens_b: list[int]
+    hashes_a: list[bytes]
+    hashes_b: list[bytes]
+    block_size: int
+    first_different_token: int | None  # None: one is a prefix of the other
+    reused_blocks: int  # leading full blocks of B found among A's
+
+    @property
+    def reused_tokens(self) -> int:
+        return self.reused_blocks * self.block_size
+
+    @property
+    def recomputed_tokens(self) -> int:
+        return len(self.tokens_b) - self.reused_tokens
+
+
+def explain_cache(tokenizer, prompt_a, prompt_b, block_size: int = 16, salt_a: str | None = None,
+                  salt_b: str | None = None) -> CacheAutopsy:
+    """Prompts are strings, token id lists, or chat message lists (rendered with the tokenizer's chat template)."""
+
+    def tokens(prompt):
+        if isinstance(prompt, str):
+            return tokenizer(prompt).input_ids
+        if prompt and isinstance(prompt[0], dict):
+            return tokenizer(tokenizer.apply_chat_template(prompt, tokenize=False)).input_ids
+        return list(prompt)
+
+    a, b = tokens(prompt_a), tokens(prompt_b)
+    hashes_a, hashes_b = block_hashes(a, block_size, salt_a), block_hashes(b, block_size, salt_b)
+    first_different = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    cached = set(hashes_a)
+    limit = (len(b) - 1) // block_size  # as the engine: B's last token is always computed
+    reused = next((i for i, h in enumerate(hashes_b[:limit]) if h not in cached), min(limit, len(hashes_b)))
+    return CacheAutopsy(a, b, hashes_a, hashes_b, block_size, first_different, reused)
+
+
+def format_autopsy(autopsy: CacheAutopsy, tokenizer, context: int = 3) -> str:
+    a, b, size = autopsy.tokens_a, autopsy.tokens_b, autopsy.block_size
+    lines = [f"A: {len(a)} tokens, {len(autopsy.hashes_a)} full blocks of {size};  "
+             f"B: {len(b)} tokens, {len(autopsy.hashes_b)} full blocks"]
+    i = autopsy.first_different_token
+    if i is None:
+        lines.append("token ids: one prompt is a prefix of the other")
+    else:
+        show = lambda ids: repr(tokenizer.decode(ids[max(0, i - context):i + context + 1]))
+        lines.append(f"first different token: #{i} (block {i // size}); A {show(a)} vs B {show(b)}")
+    for k in range(max(len(autopsy.hashes_a), len(autopsy.hashes_b))):
+        ha = autopsy.hashes_a[k].hex()[:12] if k < len(autopsy.hashes_a) else "-" * 12
+        hb = autopsy.hashes_b[k].hex()[:12] if k < len(autopsy.hashes_b) else "-" * 12
+        mark = "reused" if k < autopsy.reused_blocks else "recomputed"
+        lines.append(f"  block {k:3d}  A {ha}  B {hb}  {mark if k < len(autopsy.hashes_b) else ''}")
+    lines.append(f"B reuses {autopsy.reused_tokens} of its {len(b)} tokens from the cache and recomputes "
+                 f"{autopsy.recomputed_tokens}")
+    return "\n".join(lines)

@@ -73,13 +73,15 @@ def test_solutions_are_not_chapters(tmp_path):
 
 
 def test_cleaner_strips_volatile_state_and_keeps_outputs():
+    silent = new_code_cell("x = 1", execution_count=3)
     cell = new_code_cell("print(object())", execution_count=7, metadata={"execution": {"iopub.status.idle": "2026-11-30T08:00:00Z"}, "tags": ["keep"]})
     cell.outputs = [new_output("stream", name="stdout", text="<object object at 0x7f3a2b1c9d40>\n"),
                     new_output("execute_result", data={"text/plain": "<Foo at 0x55d1e2f3a4b5>"}, execution_count=7)]
-    nb = new_notebook(cells=[cell], metadata={"widgets": {}, "language_info": {"name": "python", "version": "3.11.7"}})
+    nb = new_notebook(cells=[silent, new_markdown_cell("text"), cell], metadata={"widgets": {}, "language_info": {"name": "python", "version": "3.11.7"}})
     notebook_tools.clean_notebook(nb)
-    cleaned = nb.cells[0]
-    assert cleaned.execution_count is None and cleaned.outputs[1].execution_count is None
+    cleaned = nb.cells[2]
+    assert nb.cells[0].execution_count is None  # no outputs, no number
+    assert cleaned.execution_count == 2 and cleaned.outputs[1].execution_count == 2  # the second code cell
     assert cleaned.metadata == {"tags": ["keep"]}
     assert cleaned.outputs[0].text == "<object object at 0x…>\n"
     assert cleaned.outputs[1].data["text/plain"] == "<Foo at 0x…>"

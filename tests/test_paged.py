@@ -192,7 +192,8 @@ def test_bad_prompts_are_refused_before_any_work(checkpoints):
 
 
 def test_paged_timeline_keeps_waste_below_one_block_per_running_request():
-    from minivllm.workload import chat_workload, memory_shares, paged_timeline
+    from minivllm.paged_workload import paged_timeline
+    from minivllm.workload import chat_workload, memory_shares
 
     requests = chat_workload(300, seed=1, max_model_len=2048)
     budget = 16_000
@@ -208,7 +209,8 @@ def test_paged_timeline_keeps_waste_below_one_block_per_running_request():
 
 
 def test_paged_timeline_refuses_a_request_that_can_never_fit():
-    from minivllm.workload import Request, paged_timeline
+    from minivllm.paged_workload import paged_timeline
+    from minivllm.workload import Request
 
     with pytest.raises(ValueError, match=r"requests\[1\]"):
         list(paged_timeline([Request(10, 10), Request(100, 100)], budget=64, block_size=16))

@@ -4,6 +4,7 @@ On a machine without a CUDA GPU the kernels run in triton's interpreter (slow: s
 few long cases); `make gpu-check` runs this same file compiled on a GPU.
 """
 
+import copy
 import json
 import math
 import subprocess
@@ -25,7 +26,7 @@ from minivllm.triton_attention import TritonPagedAttention  # noqa: E402
 from minivllm.triton_kernels import paged_decode_attention, paged_prefill_attention  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 HALF = torch.bfloat16 if DEVICE.type == "cuda" else torch.float16  # the interpreter has no bf16
 
 
@@ -60,15 +61,18 @@ def paged_batch(context_lens, query_lens, block_size, num_heads, num_kv_heads, h
 
 
 def assert_matches_reference(metadata_args, q, k, v, attention):
-    """`attention(k_cache, v_cache, block_tables, seq_lens, query_start_loc)` after the reference has written
-    this step's k and v into the cache."""
-    expected = PagedAttention(*metadata_args).attend(0, q.float(), k.float(), v.float()) if q.dtype != \
-        torch.float32 and DEVICE.type == "cpu" else PagedAttention(*metadata_args).attend(0, q, k, v)
-    cache, _, query_start_loc, seq_lens, block_tables = metadata_args
+    """`attention(k_cache, v_cache, block_tables, seq_lens, query_start_loc)` once this step's k and v are in the
+    cache, against the reference run in fp32 on an fp32 copy of the cache."""
+    cache, slots, query_start_loc, seq_lens, block_tables = metadata_args
+    fp32_cache = copy.copy(cache)
+    fp32_cache.kv = cache.kv.float()
+    expected = PagedAttention(fp32_cache, *metadata_args[1:]).attend(0, q.float(), k.float(), v.float())
     k_cache, v_cache = cache.layer(0)
+    k_cache.view(-1, *k.shape[1:])[slots] = k
+    v_cache.view(-1, *v.shape[1:])[slots] = v
     got = attention(k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     assert got.shape == q.shape and got.dtype == q.dtype
-    error = (got.float() - expected.float()).abs().max().item()
+    error = (got.float() - expected).abs().max().item()
     assert error < TOLERANCE[q.dtype], f"max abs error {error:.2e}"
 
 
@@ -149,7 +153,7 @@ def test_prefill_in_half_precision():
 @pytest.mark.parametrize("query_lens", [[1, 1, 1], [5, 1, 9]], ids=["decode", "mixed"])
 def test_backend_writes_the_cache_and_matches_reference(query_lens):
     args, q, k, v = paged_batch([0, 17, 30], query_lens, 16, 4, 2, 64)
-    reference_cache = PagedKVCache(SimpleNamespace(num_layers=1, num_kv_heads=2, head_dim=64), 1, 16)
+    reference_cache = copy.copy(args[0])
     reference_cache.kv = args[0].kv.clone()
     expected = PagedAttention(reference_cache, *args[1:]).attend(0, q, k, v)
     got = TritonPagedAttention(*args).attend(0, q, k, v)
@@ -167,8 +171,10 @@ def test_backend_refuses_inconsistent_metadata_before_any_work():
     with pytest.raises(ValueError, match="block_tables"):
         TritonPagedAttention(cache, slots, starts, seq_lens, tables.long())
     metadata = TritonPagedAttention(cache, slots, starts, seq_lens, tables)
-    with pytest.raises(ValueError, match="q has"):
-        metadata.attend(0, q[:, :1], k, v)
+    with pytest.raises(ValueError, match="head_dim"):
+        metadata.attend(0, q[..., :32], k, v)
+    with pytest.raises(ValueError, match="k is"):
+        metadata.attend(0, q, k[:, :, :32], v)
     with pytest.raises(ValueError, match="q is"):
         metadata.attend(0, q.double(), k.double(), v.double())
     assert torch.equal(cache.kv, before)
@@ -176,7 +182,10 @@ def test_backend_refuses_inconsistent_metadata_before_any_work():
 
 def test_backend_choice():
     assert attention_backend_class("torch", torch.device("cpu")) is PagedAttention
-    assert attention_backend_class("triton", torch.device("cpu")) is TritonPagedAttention
+    assert attention_backend_class("triton", DEVICE) is TritonPagedAttention
+    if DEVICE.type == "cuda":  # compiled kernels cannot read CPU tensors
+        with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+            attention_backend_class("triton", torch.device("cpu"))
     expected_auto = TritonPagedAttention if DEVICE.type == "cuda" else PagedAttention
     assert attention_backend_class("auto", DEVICE) is expected_auto
     with pytest.raises(ValueError, match="attention_backend"):
@@ -184,7 +193,7 @@ def test_backend_choice():
     assert triton_available() and TRITON_INTERPRETED == (DEVICE.type == "cpu")
 
 
-def test_the_package_imports_and_says_so_without_triton():
+def test_without_triton_the_package_imports_and_falls_back_to_the_reference():
     code = ("import sys; sys.modules['triton'] = None\n"
             "import minivllm.triton_attention as t, torch\n"
             "print(t.triton_available(), t.attention_backend_class('auto', torch.device('cpu')).__name__)\n"
@@ -236,3 +245,28 @@ def test_engine_greedy_outputs_identical_on_both_backends(checkpoints, family):
     reference = greedy_paged(model, prompts, 10, PagedAttention)
     assert greedy_paged(model, prompts, 10, TritonPagedAttention) == reference
     assert all(len(out) == 10 for out in reference)
+
+
+# ------------------------------------------------------------------ make gpu-check, as far as a CPU can take it
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_gpu_check_refuses_clearly_without_cuda(capsys):
+    from minivllm import gpu_check
+
+    assert gpu_check.main([]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_gpu_check_smoke_run_writes_results_and_figures(tmp_path):
+    from minivllm import gpu_check
+
+    assert gpu_check.main(["--smoke", "--out", str(tmp_path)]) == 0
+    [results_file] = tmp_path.glob("*.json")
+    results = json.loads(results_file.read_text())
+    assert results["smoke"] and results["date"] in results_file.name
+    assert len(results["decode"]) == 4 and all(r["kernel_gbs"] > 0 for r in results["decode"])
+    assert all(r["kernel_tflops"] > 0 for r in results["prefill"])
+    figures = sorted(p.name.removeprefix(results_file.stem) for p in tmp_path.glob("*.png"))
+    assert figures == ["_block_size_splits.png", "_decode.png", "_prefill.png"]
+    assert gpu_check.latest_results(tmp_path) is None  # a smoke run never stands in for measurements

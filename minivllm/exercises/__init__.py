@@ -4,7 +4,7 @@
     check("01.rms_norm", rms_norm)
 
 runs behaviour tests against a reader's function and prints, for each, whether it passed and why
-not. It returns True when all passed. Each chapter's exercises live in `chNN.py` beside this file,
+not (`run_checks` returns the same as a value). Each chapter's exercises live in `chNN.py` beside this file,
 registered with `@exercise("<NN>.<name>")`; `EXERCISES` lists them all.
 """
 
@@ -51,29 +51,30 @@ def _load_chapters() -> None:
             import_module(f"{__name__}.{module.name}")
 
 
-def check(name: str, candidate) -> bool:
-    """Run exercise `name`'s behaviour tests against `candidate`; print a report; True if all passed."""
+def run_checks(name: str, candidate) -> tuple[bool, list[str]]:
+    """Run exercise `name`'s behaviour tests against `candidate`: (all passed, one report line per test)."""
     _load_chapters()
     if name not in EXERCISES:
         raise KeyError(f"no exercise {name!r}; known: {', '.join(sorted(EXERCISES))}")
     cases = list(EXERCISES[name]())
-    passed = 0
+    report, passed = [], 0
     for description, test in cases:
         try:
             test(candidate)
         except NotImplementedError:
-            print(f"✗ {name}: not implemented yet (the function raises NotImplementedError)")
-            return False
+            return False, [f"✗ {name}: not implemented yet (the function raises NotImplementedError)"]
         except CheckFailed as failure:
-            print(f"✗ {description}: {failure}")
+            report.append(f"✗ {description}: {failure}")
         except Exception as error:  # a crash in the reader's code is a failed check, shown where it happened
             frame = traceback.extract_tb(error.__traceback__)[-1]
-            print(f"✗ {description}: {type(error).__name__}: {error} (line {frame.lineno} of {frame.name})")
+            report.append(f"✗ {description}: {type(error).__name__}: {error} (line {frame.lineno} of {frame.name})")
         else:
             passed += 1
-            print(f"✓ {description}")
-    if passed == len(cases):
-        print(f"{name}: all {len(cases)} checks passed")
-        return True
-    print(f"{name}: {passed} of {len(cases)} checks passed")
-    return False
+            report.append(f"✓ {description}")
+    summary = f"all {len(cases)} checks passed" if passed == len(cases) else f"{passed} of {len(cases)} checks passed"
+    return passed == len(cases), report + [f"{name}: {summary}"]
+
+
+def check(name: str, candidate) -> None:
+    """Run exercise `name`'s behaviour tests against `candidate` and print what passed, what failed and why."""
+    print("\n".join(run_checks(name, candidate)[1]))

@@ -1,0 +1,202 @@
+"""Prefix caching: the hash chain, exact hit counts, salts, LRU eviction, and identical outputs."""
+
+import hashlib
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minivllm.config import ModelConfig
+from minivllm.engine import EngineConfig, LLMEngine
+from minivllm.loader import load_weights
+from minivllm.prefix_cache import SEED_HASH, PrefixCachingBlockPool, block_hashes, explain_cache, hash_block
+from minivllm.sampling import SamplingParams
+
+
+def test_hash_chain_is_sha256_of_parent_tokens_and_extra_keys():
+    tokens = list(range(40))
+    hashes = block_hashes(tokens, 16)
+    assert len(hashes) == 2  # the 8 tokens of the partial third block are not hashed
+    first = hashlib.sha256(SEED_HASH + json.dumps([tokens[:16], []], separators=(",", ":")).encode()).digest()
+    assert hashes[0] == first and hashes[1] == hash_block(first, tokens[16:32])
+
+
+def test_one_changed_token_changes_its_block_and_every_block_after_it():
+    tokens = list(range(100))
+    changed = tokens.copy()
+    changed[37] = 999  # block 2 of 16
+    a, b = block_hashes(tokens, 16), block_hashes(changed, 16)
+    assert a[:2] == b[:2] and all(x != y for x, y in zip(a[2:], b[2:]))
+
+
+def test_salt_enters_the_first_block_so_nothing_is_shared():
+    tokens = list(range(64))
+    plain, salted, other = block_hashes(tokens, 16), block_hashes(tokens, 16, "tenant-a"), block_hashes(tokens, 16, "tenant-b")
+    assert all(len({x, y, z}) == 3 for x, y, z in zip(plain, salted, other))
+    assert block_hashes(tokens, 16, "tenant-a") == salted
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["allocate", "cache", "free", "revive"]), st.integers(0, 30)), max_size=80))
+def test_cache_map_stays_consistent_and_blocks_in_use_are_never_evicted(ops):
+    pool = PrefixCachingBlockPool(8)
+    held: list[int] = []
+    contents = iter(range(10**6))
+    for op, arg in ops:
+        if op == "allocate" and arg % 3 < pool.num_free:
+            in_use_hashes = {pool.block_hash[b] for b in held if pool.block_hash[b]}
+            got = pool.allocate(arg % 3)
+            held += got
+            assert in_use_hashes <= set(pool.cached)  # evicting only ever takes free blocks' names
+        elif op == "cache" and held:
+            pool.cache(held[arg % len(held)], hash_block(SEED_HASH, [next(contents)]))
+        elif op == "free" and held:
+            pool.free([held.pop(arg % len(held))])
+        elif op == "revive" and pool.cached:
+            block = sorted(pool.cached.values())[arg % len(pool.cached)]
+            pool.revive([block])
+            held.append(block)
+        assert all(pool.block_hash[b] == h for h, b in pool.cached.items())
+        assert sum(h is not None for h in pool.block_hash) == len(pool.cached)
+        assert pool.num_free + len(set(held)) == 8
+        assert all(pool.ref_counts[b] == held.count(b) for b in range(8))
+
+
+def test_blocks_are_evicted_least_recently_freed_first_and_prefixes_last():
+    pool = PrefixCachingBlockPool(6)
+    blocks = pool.allocate(3)
+    for k, block in enumerate(blocks):
+        pool.cache(block, hash_block(SEED_HASH, [k]))
+    pool.free(blocks[::-1])  # a request gives its blocks back tail first
+    fresh = pool.allocate(3)  # the never-used blocks go first
+    assert not set(fresh) & set(blocks) and len(pool.cached) == 3
+    evicted = pool.allocate(2)
+    assert evicted == [blocks[2], blocks[1]] and list(pool.cached.values()) == [blocks[0]]
+
+
+# ------------------------------------------------------------------ the engine
+
+
+def load(folder):
+    return load_weights(folder, ModelConfig.from_hf(json.loads((folder / "config.json").read_text())),
+                        torch.float32, torch.device("cpu"))
+
+
+def serve(engine, prompts, salts=None, max_tokens=12):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [engine.add_request(None, p, params, cache_salt=(salts or [None] * len(prompts))[i])
+           for i, p in enumerate(prompts)]
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    return [finished[i] for i in ids]
+
+
+@pytest.fixture(scope="module")
+def model(checkpoints):
+    return load(checkpoints["qwen3-gqa2-tied"][0])
+
+
+def random_tokens(n, seed):
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("shared_blocks", [0, 1, 2, 5])
+def test_cached_tokens_are_exactly_the_shared_full_blocks(model, shared_blocks):
+    engine = LLMEngine(model, None, EngineConfig(block_size=8, num_kv_blocks=64, enable_prefix_caching=True))
+    first = random_tokens(50, 1)
+    second = first[:shared_blocks * 8] + random_tokens(20, 2)
+    serve(engine, [first])
+    [out] = serve(engine, [second])
+    assert out.num_cached_tokens == shared_blocks * 8
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token(model):
+    engine = LLMEngine(model, None, EngineConfig(block_size=8, num_kv_blocks=64, enable_prefix_caching=True))
+    for length, expected in [(32, 24), (35, 32)]:  # block-aligned: the last block is recomputed
+        prompt = random_tokens(length, length)
+        first, again = serve(engine, [prompt])[0], serve(engine, [prompt])[0]
+        assert again.num_cached_tokens == expected and again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_different_salts_never_share_and_equal_salts_do(model):
+    engine = LLMEngine(model, None, EngineConfig(block_size=8, num_kv_blocks=64, enable_prefix_caching=True))
+    prompt = random_tokens(40, 3)
+    serve(engine, [prompt], salts=["tenant-a"])
+    other, same, unsalted = (serve(engine, [prompt], salts=[salt])[0] for salt in ["tenant-b", "tenant-a", None])
+    assert (other.num_cached_tokens, same.num_cached_tokens, unsalted.num_cached_tokens) == (0, 32, 0)
+
+
+def test_outputs_identical_with_and_without_caching_through_evictions_and_preemptions(checkpoints, model):
+    _, hf_model = checkpoints["qwen3-gqa2-tied"]
+    shared = random_tokens(37, 4)
+    prompts = [shared + random_tokens(n, 10 + n) for n in (5, 20, 1, 30, 9, 3)] + [shared[:32], shared]
+
+    def run(enable, num_blocks):
+        engine = LLMEngine(model, None, EngineConfig(block_size=4, num_kv_blocks=num_blocks, max_num_seqs=3,
+                                                     max_num_batched_tokens=32, enable_prefix_caching=enable))
+        outputs = serve(engine, prompts, max_tokens=20)
+        assert engine.kv_manager.pool.num_free == num_blocks
+        return [o.outputs[0].token_ids for o in outputs], engine
+
+    plain, _ = run(False, 60)
+    cached, roomy = run(True, 60)
+    squeezed, tight = run(True, 22)
+    assert plain == cached == squeezed
+    assert roomy.scheduler.prefix_cache_hits > 0 and tight.scheduler.num_preemptions > 0
+    assert any(roomy.kv_manager.pool.block_hash) and len(tight.kv_manager.pool.cached) <= 22
+    for prompt, tokens in zip(prompts[:3], plain):
+        with torch.no_grad():
+            expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20,
+                                         do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+        assert tokens == expected
+
+
+def test_stats_count_prompt_tokens_looked_up_and_found(model):
+    engine = LLMEngine(model, None, EngineConfig(block_size=8, num_kv_blocks=64, enable_prefix_caching=True))
+    prompt = random_tokens(30, 5)
+    serve(engine, [prompt])
+    serve(engine, [prompt + [7, 8]])
+    assert (engine.scheduler.prefix_cache_queries, engine.scheduler.prefix_cache_hits) == (30 + 32, 24)
+
+
+# ------------------------------------------------------------------ the autopsy
+
+
+class Chars:
+    """A tokenizer with one token per character, and a chat template."""
+
+    def __call__(self, text):
+        return type("Encoding", (), {"input_ids": [ord(c) for c in text]})
+
+    def decode(self, ids):
+        return "".join(map(chr, ids))
+
+    def apply_chat_template(self, messages, tokenize=False):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages)
+
+
+def test_autopsy_counts_what_the_engine_would_reuse():
+    system = "You are a helpful assistant. " * 3
+    end = explain_cache(Chars(), system + "Q1", system + "Q2!", block_size=8)
+    start = explain_cache(Chars(), system + "Q1", "y" + system[1:] + "Q1", block_size=8)
+    assert end.first_different_token == len(system) + 1 and end.reused_blocks == (len(system) + 1) // 8
+    assert start.first_different_token == 0 and start.reused_blocks == 0
+    assert end.reused_tokens + end.recomputed_tokens == len(system) + 3
+    chat = [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]
+    assert explain_cache(Chars(), chat, chat[:1] + [{"role": "user", "content": "ho"}], 8).reused_blocks > 0
+    assert explain_cache(Chars(), system, system, 8, salt_a="a", salt_b="b").reused_blocks == 0
+
+
+def test_explain_cache_command_line(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "a.txt").write_text("ROMEO:\nBut soft, what light through yonder window breaks? " * 4)
+    (tmp_path / "b.txt").write_text("ROMEO:\nBut soft, what light through yonder window breaks? " * 4 + "JULIET:")
+    result = subprocess.run([sys.executable, "-m", "minivllm", "explain-cache", str(tmp_path / "a.txt"),
+                             str(tmp_path / "b.txt"), "--block-size", "8"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "reused" in result.stdout and "B reuses" in result.stdout and "recomputes" in result.stdout

@@ -5,7 +5,6 @@ from tqdm.auto import tqdm
 
 from minivllm.engine import EngineConfig, LLMEngine, RequestOutput
 from minivllm.loader import load_model
-from minivllm.paged import PagedAttention
 from minivllm.sampling import SamplingParams
 
 CPU_KV_CACHE_BYTES = 512 * 2**20
@@ -19,7 +18,10 @@ class LLM:
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  attention_backend: str = "auto", device=None, dtype=None, seed: int = 0,
                  kv_cache_memory_bytes: int | None = None):
-        backend = choose_backend(attention_backend, device)
+        from minivllm.triton_attention import attention_backend_class  # chapter 8; triton itself loads lazily
+
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        backend = attention_backend_class(attention_backend, device)
         lm, self.tokenizer = load_model(model, dtype=dtype, device=device)
         if num_kv_blocks is None:
             num_kv_blocks = kv_blocks_for(lm, block_size, kv_cache_memory_bytes)
@@ -88,19 +90,3 @@ def kv_blocks_for(model, block_size: int, memory_bytes: int | None) -> int:
     if memory_bytes is None:
         memory_bytes = int(0.9 * torch.cuda.mem_get_info()[0]) if weight.is_cuda else CPU_KV_CACHE_BYTES
     return max(1, memory_bytes // per_block)
-
-
-def choose_backend(name: str, device) -> type[PagedAttention]:
-    """"torch": the reference; "triton": chapter 8's kernels (interpreted on a CPU); "auto": Triton on CUDA."""
-    if name not in ("auto", "torch", "triton"):
-        raise ValueError(f"attention_backend = {name!r}: must be 'auto', 'torch' or 'triton'")
-    on_cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
-    if name == "torch" or (name == "auto" and not on_cuda):
-        return PagedAttention
-    from minivllm import triton_attention  # chapter 8
-
-    if not triton_attention.triton_available():
-        if name == "triton":
-            raise ValueError("attention_backend = 'triton': triton is not installed on this machine")
-        return PagedAttention
-    return triton_attention.TritonPagedAttention

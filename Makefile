@@ -1,6 +1,6 @@
 # Every target sets itself up: .venv is created or reused by scripts/setup_venv.sh.
 PY := .venv/bin/python
-NBVAL := --nbval --sanitize-with tests/nbval_sanitize.cfg
+NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg
 
 .PHONY: install book test lab export clean-notebooks notebooks gpu-check bench
 

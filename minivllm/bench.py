@@ -43,7 +43,7 @@ def make_bench_checkpoint(folder: Path, seed: int = 0) -> int:
 
 def workload(num_prompts: int, min_prompt: int, max_prompt: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(3, BENCH_SHAPE["vocab_size"]) for _ in range(rng.randint(min_prompt, max_prompt))]
+    return [[rng.randrange(3, BENCH_SHAPE["vocab_size"] - 1) for _ in range(rng.randint(min_prompt, max_prompt))]
             for _ in range(num_prompts)]
 
 
@@ -58,7 +58,8 @@ def run_minivllm(model_dir, prompts, output_len, **engine_args) -> dict:
 
     llm = LLM(str(model_dir), **engine_args)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params, use_tqdm=False)  # warm-up
+    warmup = [[t + 1 for t in p] for p in prompts[:2]]  # other tokens: a warm-up must not fill the prefix cache
+    llm.generate([{"prompt_token_ids": p} for p in warmup], params, use_tqdm=False)
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
     elapsed = time.perf_counter() - start

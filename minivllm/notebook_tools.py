@@ -137,7 +137,8 @@ def execute(path: Path, timeout: int = 1200):
     nb = nbformat.read(path, as_version=4)
     for name in QUIET:  # progress bars print rates that differ on every run
         os.environ.setdefault(name, "1")
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}})
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}},
+                            extra_arguments=["--IPKernelApp.log_level=ERROR"])  # no transport chatter
     try:
         client.execute()
     except CellExecutionError as error:

@@ -60,6 +60,9 @@ class LLM:
 
     def _parse(self, index: int, prompt) -> tuple[list[int], str | None, str | None]:
         """A prompt is a string, {"prompt": str} or {"prompt_token_ids": [...]}, optionally with "cache_salt"."""
+        text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
+        if text is not None and self.tokenizer is None:
+            raise ValueError(f"prompts[{index}]: this checkpoint has no tokenizer; pass {{'prompt_token_ids': [...]}}")
         if isinstance(prompt, str):
             return self.tokenizer(prompt).input_ids, prompt, None
         if isinstance(prompt, dict) and ("prompt" in prompt) != ("prompt_token_ids" in prompt):

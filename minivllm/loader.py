@@ -74,8 +74,14 @@ def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype, device: 
     return lm.eval()
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_model(model: str | Path | None = None, dtype=None, device=None):
-    """Returns (CausalLM, tokenizer) for a checkpoint folder, a hub name, or None (the embedded model)."""
+    """Returns (CausalLM, tokenizer) for a checkpoint folder, a hub name, or None (the embedded model).
+
+    A folder without tokenizer files (a bare `save_pretrained` of a model) gives tokenizer None: it can
+    still generate from token ids."""
     from transformers import AutoTokenizer
 
     folder = resolve_model_path(model)
@@ -85,4 +91,5 @@ def load_model(model: str | Path | None = None, dtype=None, device=None):
     config = ModelConfig.from_hf(json.loads(config_file.read_text()))
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     lm = load_weights(folder, config, resolve_dtype(dtype, config, device), device)
-    return lm, AutoTokenizer.from_pretrained(folder)
+    has_tokenizer = any((folder / name).exists() for name in TOKENIZER_FILES)
+    return lm, AutoTokenizer.from_pretrained(folder) if has_tokenizer else None

@@ -215,3 +215,20 @@ def test_command_line_generate():
     bad = subprocess.run([sys.executable, "-m", "minivllm", "generate", "ROMEO:", "--max-tokens", "0"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "max_tokens" in bad.stderr
+
+
+def test_a_checkpoint_without_tokenizer_serves_token_ids(checkpoints):
+    from minivllm import LLM
+
+    folder, hf_model = checkpoints["qwen2-qkv-bias-gqa4"]
+    llm = LLM(str(folder), num_kv_blocks=64, block_size=8)
+    assert llm.get_tokenizer() is None
+    prompt = prompts_of([12], seed=9)[0]
+    [out] = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                         use_tqdm=False)
+    with torch.no_grad():
+        expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=10, min_new_tokens=10, do_sample=False,
+                                     pad_token_id=0)[0, len(prompt):].tolist()
+    assert out.outputs[0].token_ids == expected and out.outputs[0].text == ""
+    with pytest.raises(ValueError, match=r"prompts\[0\]: this checkpoint has no tokenizer"):
+        llm.generate("ROMEO:", use_tqdm=False)

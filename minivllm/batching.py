@@ -4,8 +4,8 @@ import time
 
 import torch
 
-from minivllm.generate import Completion, StopChecker
-from minivllm.kv_cache import ContiguousCacheAttention, ContiguousKVCache, check_request
+from minivllm.generate import Completion, StopChecker, check_request
+from minivllm.kv_cache import ContiguousCacheAttention, ContiguousKVCache
 from minivllm.sampling import SamplingParams, sample_token
 
 

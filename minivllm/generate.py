@@ -71,17 +71,27 @@ class Completion:
         return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
 
 
+def check_request(model, prompt_ids: list[int], params: SamplingParams, max_len: int | None = None,
+                  name: str = "prompt_ids") -> int:
+    """Refuse a request a one-sequence generator cannot serve, before any work; return how many tokens it may
+    generate within max_len (default: the model's max_model_len)."""
+    max_len = model.config.max_model_len if max_len is None else max_len
+    if params.n != 1:
+        raise ValueError(f"SamplingParams.n = {params.n}: this generator makes one sequence per prompt")
+    if not prompt_ids:
+        raise ValueError(f"{name} is empty: the model needs at least one token to condition on")
+    if max_len > model.config.max_model_len:
+        raise ValueError(f"max_len = {max_len} exceeds the model's max_model_len = {model.config.max_model_len}")
+    room = max_len - len(prompt_ids)
+    if room < 1:
+        raise ValueError(f"{name}: a prompt of {len(prompt_ids)} tokens leaves no room in max_len = {max_len}")
+    return room
+
+
 def generate_recompute(model, prompt_ids: list[int], params: SamplingParams, tokenizer=None) -> Completion:
     """Generate by running the whole sequence through the model for every new token. No cache."""
-    if params.n != 1:
-        raise ValueError(f"SamplingParams.n = {params.n}: generate_recompute makes one sequence; the engine makes n")
-    if not prompt_ids:
-        raise ValueError("prompt_ids is empty: the model needs at least one token to condition on")
+    checker = StopChecker(params, tokenizer, max_new_tokens=check_request(model, prompt_ids, params))
     device = model.lm_head.weight.device
-    room = model.config.max_model_len - len(prompt_ids)
-    if room < 1:
-        raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in max_model_len={model.config.max_model_len}")
-    checker = StopChecker(params, tokenizer, max_new_tokens=room)
     generator = None if params.seed is None else torch.Generator(device).manual_seed(params.seed)
     tokens, output, times, logprobs = list(prompt_ids), [], [], []
     start = time.perf_counter()

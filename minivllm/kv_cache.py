@@ -5,7 +5,7 @@ import time
 import torch
 
 from minivllm.attention import AttentionMetadata, causal_attention
-from minivllm.generate import Completion, StopChecker
+from minivllm.generate import Completion, StopChecker, check_request
 from minivllm.sampling import SamplingParams, sample_token
 
 
@@ -93,20 +93,6 @@ class ContiguousCacheAttention(AttentionMetadata):
             outputs.append(causal_attention(q[span], self.cache.k[layer, row, :end], self.cache.v[layer, row, :end]))
             start += new
         return torch.cat(outputs)
-
-
-def check_request(model, prompt_ids: list[int], params: SamplingParams, max_len: int, name: str = "prompt_ids") -> int:
-    """Refuse a request the engine cannot serve; return how many tokens it may generate within max_len."""
-    if params.n != 1:
-        raise ValueError(f"SamplingParams.n = {params.n}: this generator makes one sequence per prompt")
-    if not prompt_ids:
-        raise ValueError(f"{name} is empty: the model needs at least one token to condition on")
-    if max_len > model.config.max_model_len:
-        raise ValueError(f"max_len = {max_len} exceeds the model's max_model_len = {model.config.max_model_len}")
-    room = max_len - len(prompt_ids)
-    if room < 1:
-        raise ValueError(f"{name}: a prompt of {len(prompt_ids)} tokens leaves no room in max_len = {max_len}")
-    return room
 
 
 def generate_cached(model, prompt_ids: list[int], params: SamplingParams, tokenizer=None) -> Completion:

@@ -63,7 +63,7 @@ def test_bad_input_is_refused_before_any_work(tiny):
         generate_recompute(model, [], SamplingParams())
     with pytest.raises(ValueError, match="SamplingParams.n = 2"):
         generate_recompute(model, [1], SamplingParams(n=2))
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(ValueError, match="leaves no room in max_len = 2048"):
         generate_recompute(model, [1] * model.config.max_model_len, SamplingParams())
 
 

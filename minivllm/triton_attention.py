@@ -2,17 +2,20 @@
 
 import importlib.util
 import os
+import sys
 
 import torch
 
 from minivllm.paged import PagedAttention
 
-# Triton compiles kernels for GPUs. Without a CUDA GPU its interpreter runs them on the CPU with numpy instead;
-# triton reads TRITON_INTERPRET when a kernel is defined (@triton.jit), so it is set here, on import, before
-# this package defines any kernel (minivllm.triton_kernels imports this module first).
+# Triton compiles kernels for GPUs. Without a CUDA GPU its interpreter runs them on the CPU with numpy instead.
+# triton reads TRITON_INTERPRET when a kernel is defined (@triton.jit), its own library's included, at import:
+# so it is set here, before this package defines any kernel (minivllm.triton_kernels imports this module
+# first). If something imported triton earlier (transformers may), it is too late, and we say so.
+_TOO_LATE = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
-TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and not _TOO_LATE
 NO_TRITON = "attention backend 'triton' needs the triton package: pip install triton (Linux only)"
 
 
@@ -72,8 +75,9 @@ def attention_backend_class(attention_backend: str, device: torch.device) -> typ
         if not triton_available():
             raise ImportError(NO_TRITON)
         if torch.device(device).type == "cpu" and not TRITON_INTERPRETED:
-            raise ValueError("attention_backend = 'triton' on a CPU needs the interpreter, which this package "
-                             "turns on only where there is no CUDA GPU: set TRITON_INTERPRET=1 before importing it")
+            raise ValueError("attention_backend = 'triton' on a CPU needs triton's interpreter, and triton was "
+                             "imported before minivllm could turn it on: set TRITON_INTERPRET=1 before anything "
+                             "imports triton (transformers may)")
         return TritonPagedAttention
     if attention_backend == "torch":
         return PagedAttention

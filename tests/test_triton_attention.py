@@ -270,3 +270,19 @@ def test_gpu_check_smoke_run_writes_results_and_figures(tmp_path):
     figures = sorted(p.name.removeprefix(results_file.stem) for p in tmp_path.glob("*.png"))
     assert figures == ["_block_size_splits.png", "_decode.png", "_prefill.png"]
     assert gpu_check.latest_results(tmp_path) is None  # a smoke run never stands in for measurements
+
+
+def test_the_engine_runs_on_chapter_8s_triton_backend(checkpoints):
+    from minivllm import LLM
+    from minivllm.sampling import SamplingParams
+
+    gen = torch.Generator().manual_seed(11)
+    folder, _ = checkpoints["qwen3-gqa2-tied"]
+    prompts = [{"prompt_token_ids": torch.randint(3, 256, (n,), generator=gen).tolist()} for n in (9, 21, 4)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outputs = {}
+    for backend in ["torch", "triton"]:
+        llm = LLM(str(folder), num_kv_blocks=32, block_size=8, max_num_batched_tokens=16, attention_backend=backend)
+        outputs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert llm.engine.backend is TritonPagedAttention
+    assert outputs["triton"] == outputs["torch"]

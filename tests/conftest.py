@@ -25,6 +25,9 @@ FAMILIES = {
         attention_bias=True, mlp_bias=True, head_dim=32, tie_word_embeddings=False,
         rope_parameters=dict(rope_type="llama3", rope_theta=500_000.0, factor=8.0, low_freq_factor=1.0,
                              high_freq_factor=4.0, original_max_position_embeddings=64))),
+    "llama-linear-rope-no-head-dim": ("LlamaConfig", dict(
+        hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=3,
+        tie_word_embeddings=True, rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=4.0))),
 }
 
 

@@ -232,3 +232,20 @@ def test_a_checkpoint_without_tokenizer_serves_token_ids(checkpoints):
     assert out.outputs[0].token_ids == expected and out.outputs[0].text == ""
     with pytest.raises(ValueError, match=r"prompts\[0\]: this checkpoint has no tokenizer"):
         llm.generate("ROMEO:", use_tqdm=False)
+
+
+def test_stop_token_ids_and_running_to_max_model_len(checkpoints):
+    folder, hf_model = checkpoints["qwen3-gqa2-tied"]
+    engine = LLMEngine(load(folder), None, EngineConfig(block_size=4, num_kv_blocks=64, max_model_len=40))
+    prompt = prompts_of([10], seed=3)[0]
+    with torch.no_grad():
+        greedy = hf_model.generate(torch.tensor([prompt]), max_new_tokens=30, min_new_tokens=30, do_sample=False,
+                                   pad_token_id=0)[0, len(prompt):].tolist()
+    engine.add_request("open-ended", prompt, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
+    engine.add_request("stopped", prompt, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True,
+                                                         stop_token_ids=[greedy[5]]))
+    finished = run(engine)
+    assert finished["open-ended"].outputs[0].token_ids == greedy  # 40 - 10 tokens: the context is full
+    assert finished["open-ended"].outputs[0].finish_reason == "length"
+    stopped = finished["stopped"].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids == greedy[:greedy.index(greedy[5]) + 1]

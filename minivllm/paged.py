@@ -106,11 +106,16 @@ class PagedAttention(AttentionMetadata):
         self.seq_lens = seq_lens  # [num_seqs]
         self.block_tables = block_tables  # [num_seqs, max_blocks], padded with 0
 
-    def attend(self, layer, q, k, v):
+    def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Store this step's keys and values in their slots; returns the layer's key and value caches."""
         k_cache, v_cache = self.kv_cache.layer(layer)
+        k_cache.view(-1, *k_cache.shape[2:])[self.slot_mapping] = k
+        v_cache.view(-1, *v_cache.shape[2:])[self.slot_mapping] = v
+        return k_cache, v_cache
+
+    def attend(self, layer, q, k, v):
+        k_cache, v_cache = self.write_kv(layer, k, v)
         _, block_size, kv_heads, head_dim = k_cache.shape
-        k_cache.view(-1, kv_heads, head_dim)[self.slot_mapping] = k
-        v_cache.view(-1, kv_heads, head_dim)[self.slot_mapping] = v
         out = torch.empty_like(q)
         starts, lens = self.query_start_loc.tolist(), self.seq_lens.tolist()
         decodes = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]

@@ -57,8 +57,7 @@ class TritonPagedAttention(PagedAttention):
             if t.shape != (q.shape[0], kv_heads, head_dim) or t.dtype != k_cache.dtype:
                 raise ValueError(f"{name} is {t.dtype} {tuple(t.shape)}: expected {k_cache.dtype} "
                                  f"{(q.shape[0], kv_heads, head_dim)}")
-        k_cache.view(-1, kv_heads, head_dim)[self.slot_mapping] = k
-        v_cache.view(-1, kv_heads, head_dim)[self.slot_mapping] = v
+        self.write_kv(layer, k, v)
         if self.max_query_len == 1:
             return paged_decode_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens, self.max_seq_len)
         return paged_prefill_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens, self.query_start_loc,

@@ -105,7 +105,7 @@ def train(name, tokenizer, train_ids, val_ids, args, log):
     gen = torch.Generator().manual_seed(args.seed)
     start = time.time()
     budget = minutes * 60
-    step = 0
+    step, best = 0, (float("inf"), 0, None)  # (validation loss, step, weights): the corpus is small enough to overfit
     model.train()
     while time.time() - start < budget:
         # cosine decay over the wall-clock budget, after a short warm-up
@@ -122,9 +122,17 @@ def train(name, tokenizer, train_ids, val_ids, args, log):
         if step % 50 == 0:
             log(f"  step {step:5d}  {time.time() - start:6.0f}s  lr {lr:.2e}  train loss {loss.item():.3f}")
         step += 1
+        if step % 100 == 0:
+            val_loss = evaluate(model, val_ids, args.seq_len)
+            log(f"  step {step:5d}  validation loss {val_loss:.3f}")
+            if val_loss < best[0]:
+                best = (val_loss, step, {k: v.clone() for k, v in model.state_dict().items()})
     elapsed = time.time() - start
     val_loss = evaluate(model, val_ids, args.seq_len)
-    log(f"{name}: {step} steps in {elapsed / 60:.1f} min, validation loss {val_loss:.3f}")
+    if best[0] < val_loss:  # keep the weights that generalised best, not the last ones
+        val_loss, step, weights = best
+        model.load_state_dict(weights)
+    log(f"{name}: kept step {step} of {elapsed / 60:.1f} min, validation loss {val_loss:.3f}")
     return model, dict(parameters=params, steps=step, minutes=round(elapsed / 60, 1),
                        val_loss=round(val_loss, 3), tokens_seen=step * args.batch_size * args.seq_len)
 
@@ -155,7 +163,8 @@ A Qwen3-architecture causal language model, {role}, trained from scratch by
 - Parameters: {stats['parameters']:,} (tied input/output embeddings)
 - Shape: {json.dumps(shape)}
 - Tokenizer: byte-level BPE, {corpus_stats['vocab_size']} tokens, trained with `tokenizers` on the same corpus
-- Training: {stats['steps']} AdamW steps, {stats['tokens_seen']:,} tokens seen, {stats['minutes']} minutes on 2 CPU cores
+- Training: {stats['minutes']} minutes on 2 CPU cores; the weights kept are those of step {stats['steps']}
+  ({stats['tokens_seen']:,} tokens seen), the best validation loss of the run
 - Validation loss (last 10% of the corpus, cross-entropy per token): {stats['val_loss']}
 
 ## Data
@@ -219,8 +228,8 @@ def main(argv=None):
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
         write_card(folder, name, stats, corpus_stats, greedy, sampled, MODEL_SHAPES[name])
-        (folder / "training.json").write_text(json.dumps({**stats, **corpus_stats, "args": {
-            k: str(v) for k, v in vars(args).items()}}, indent=2))
+        settings = {k: str(v) for k, v in vars(args).items() if k != "out"}  # where it was written is no setting
+        (folder / "training.json").write_text(json.dumps({**stats, **corpus_stats, "args": settings}, indent=2))
         log(f"saved {folder}")
 
 

@@ -42,10 +42,6 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]]  # (request, number of its tokens to compute this step), in batch order
     preempted: list[Request]
 
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
 
 class Scheduler:
     """Iteration-level scheduling (Orca) under a token budget, as in vLLM V1: no prefill or decode phases.

@@ -60,6 +60,8 @@ class EngineConfig:
 class LLMEngine:
     """Requests in, tokens out, one `step()` at a time: schedule, run the model on the flat batch, sample."""
 
+    scheduler_class = Scheduler  # chapter 9's engine schedules draft tokens too
+
     def __init__(self, model, tokenizer, config: EngineConfig, backend: type[PagedAttention] = PagedAttention):
         capacity = config.num_kv_blocks * config.block_size
         max_model_len = config.max_model_len or min(model.config.max_model_len, capacity)
@@ -78,8 +80,8 @@ class LLMEngine:
         self.config = replace(config, max_model_len=max_model_len)
         self.kv_cache = PagedKVCache.for_model(model, config.num_kv_blocks, config.block_size)
         self.kv_manager = make_kv_cache_manager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill, config.enable_prefix_caching)
+        self.scheduler = self.scheduler_class(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                              config.enable_chunked_prefill, config.enable_prefix_caching)
         self.device = model.lm_head.weight.device
         self.generator = torch.Generator(self.device).manual_seed(config.seed)  # for requests without a seed
         self.groups: dict[str, list[Request]] = {}  # request id -> its n sequences
@@ -142,32 +144,44 @@ class LLMEngine:
         self.last_schedule = schedule
         if not schedule.scheduled:
             return []
-        work = [(r.request_id, r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens + n], r.num_computed_tokens)
-                for r, n in schedule.scheduled]
+        work = [(r.request_id, self._tokens_to_run(r, n), r.num_computed_tokens) for r, n in schedule.scheduled]
         input_ids, positions, metadata = prepare_paged_batch(self.kv_cache, self.kv_manager, work, self.backend)
         hidden = self.model(input_ids, positions, metadata)
-
-        # only a request whose known tokens are now all computed samples a token; a prefill chunk does not
-        ends = metadata.query_start_loc[1:] - 1
-        rows = [i for i, (r, n) in enumerate(schedule.scheduled) if r.num_computed_tokens + n == r.num_tokens]
-        logits = self.model.compute_logits(hidden[ends[rows]]) if rows else None
         for request, n in schedule.scheduled:
             request.num_computed_tokens += n
-            if self.config.enable_prefix_caching:
-                self.kv_manager.cache_full_blocks(request)
-        tokens = self._sample(logits, [schedule.scheduled[i][0] for i in rows]) if rows else []
-        changed = {}
-        now = time.perf_counter()
-        for row, token in zip(rows, tokens):
-            request = schedule.scheduled[row][0]
-            request.output_token_ids.append(token)
+        new_tokens = self._new_tokens(schedule, hidden, metadata.query_start_loc)
+
+        stopped, now = [], time.perf_counter()
+        for request, tokens in new_tokens.items():
+            for token in tokens:
+                request.output_token_ids.append(token)
+                reason = self._state[request][0].finish_reason(request.output_token_ids)
+                if reason:
+                    stopped.append((request, reason))
+                    break
+            request.num_computed_tokens = request.num_tokens - 1  # all but the newest token are in the cache
             if request.first_token_time is None:
                 request.first_token_time = now
-            reason = self._state[request][0].finish_reason(request.output_token_ids)
-            if reason:
-                self.scheduler.finish(request, reason)
-            changed[request.request_id.rsplit("#", 1)[0]] = True
+        if self.config.enable_prefix_caching:
+            for request, _ in schedule.scheduled:
+                self.kv_manager.cache_full_blocks(request)
+        for request, reason in stopped:
+            self.scheduler.finish(request, reason)
+        changed = dict.fromkeys(request.request_id.rsplit("#", 1)[0] for request in new_tokens)
         return [self.output(request_id) for request_id in changed]
+
+    def _tokens_to_run(self, request: Request, n: int) -> list[int]:
+        return request.all_token_ids[request.num_computed_tokens:request.num_computed_tokens + n]
+
+    def _new_tokens(self, schedule, hidden: torch.Tensor, query_start_loc: torch.Tensor) -> dict[Request, list[int]]:
+        """A token for each request whose known tokens are now all computed; a prefill chunk gets none."""
+        ends = query_start_loc[1:] - 1
+        rows = [i for i, (r, _) in enumerate(schedule.scheduled) if r.num_computed_tokens == r.num_tokens]
+        if not rows:
+            return {}
+        requests = [schedule.scheduled[i][0] for i in rows]
+        tokens = self._sample(self.model.compute_logits(hidden[ends[rows]]), requests)
+        return {request: [token] for request, token in zip(requests, tokens)}
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         greedy = logits.argmax(-1).tolist()  # one batched argmax serves every greedy request
@@ -187,6 +201,16 @@ class LLMEngine:
                                  sum(c.num_preemptions for c in children))
         return RequestOutput(request_id, self.prompts[request_id], list(children[0].prompt_token_ids), outputs,
                              finished, children[0].num_cached_tokens or 0, metrics)
+
+    def stats(self) -> dict:
+        pool = self.kv_manager.pool
+        return {
+            "kv_blocks_total": pool.num_blocks,
+            "kv_blocks_free": pool.num_free,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": self.scheduler.prefix_cache_queries,
+            "prefix_cache_hits": self.scheduler.prefix_cache_hits,
+        }
 
     def release(self, request_id: str) -> None:
         """Forget a finished request (the engine keeps it until its output has been read)."""

@@ -17,7 +17,7 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  attention_backend: str = "auto", device=None, dtype=None, seed: int = 0,
-                 kv_cache_memory_bytes: int | None = None):
+                 kv_cache_memory_bytes: int | None = None, speculative_config: dict | None = None):
         from minivllm.triton_attention import attention_backend_class  # chapter 8; triton itself loads lazily
 
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -27,7 +27,12 @@ class LLM:
             num_kv_blocks = kv_blocks_for(lm, block_size, kv_cache_memory_bytes)
         config = EngineConfig(block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens, max_model_len,
                               enable_prefix_caching, enable_chunked_prefill, seed)
-        self.engine = LLMEngine(lm, self.tokenizer, config, backend)
+        if speculative_config is None:
+            self.engine = LLMEngine(lm, self.tokenizer, config, backend)
+        else:
+            from minivllm.spec_decode import SpecDecodeEngine  # chapter 9
+
+            self.engine = SpecDecodeEngine(lm, self.tokenizer, config, backend, speculative_config)
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -75,15 +80,7 @@ class LLM:
         raise ValueError(f"prompts[{index}]: expected a string, or a dict with 'prompt' or 'prompt_token_ids'")
 
     def stats(self) -> dict:
-        engine = self.engine
-        pool = engine.kv_manager.pool
-        return {
-            "kv_blocks_total": pool.num_blocks,
-            "kv_blocks_free": pool.num_free,
-            "num_preemptions": engine.scheduler.num_preemptions,
-            "prefix_cache_queries": engine.scheduler.prefix_cache_queries,
-            "prefix_cache_hits": engine.scheduler.prefix_cache_hits,
-        }
+        return self.engine.stats()
 
 
 def kv_blocks_for(model, block_size: int, memory_bytes: int | None) -> int:

@@ -53,6 +53,12 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     """One token id from one row of logits [vocab_size]."""
     if params.greedy:
         return int(logits.argmax())
+    return int(torch.multinomial(sampling_probs(logits, params), 1, generator=generator))
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a non-greedy request samples from: one row of logits after temperature, top-k,
+    min-p and top-p (unnormalized once tokens are dropped: multinomial does not mind)."""
     logits = logits.float() / params.temperature
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = logits.topk(params.top_k).values[-1]
@@ -65,4 +71,4 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
         # drop a token when the tokens above it already reach top_p; the top token always stays
         drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
         probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return probs

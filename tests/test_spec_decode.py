@@ -1,0 +1,223 @@
+"""Speculative decoding (chapter 9): verification is exact, greedy outputs are the target's token for token,
+sampled outputs follow the target's distribution, and every block comes back."""
+
+import math
+
+import pytest
+import torch
+
+from minivllm.engine import EngineConfig
+from minivllm.sampling import SamplingParams
+from minivllm.spec_decode import NgramProposer, SpecDecodeEngine, verify_greedy, verify_sampled
+from tests.conftest import save_random_checkpoint
+from tests.test_engine import load, prompts_of, run
+
+
+def test_verify_greedy_keeps_the_agreeing_run_and_adds_one():
+    assert verify_greedy([5, 6, 7, 8], [5, 6, 7]) == [5, 6, 7, 8]  # all accepted: a bonus token
+    assert verify_greedy([5, 9, 7, 8], [5, 6, 7]) == [5, 9]  # the target's token replaces the first miss
+    assert verify_greedy([4, 6, 7, 8], [5, 6, 7]) == [4]
+    assert verify_greedy([3], []) == [3]
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Upper tail of Pearson's statistic (Wilson-Hilferty approximation), over categories with p > 0."""
+    keep = probs > 0
+    assert counts[~keep].sum() == 0, "a token the target gives no probability was produced"
+    expected = probs[keep] * counts.sum()
+    stat = float(((counts[keep] - expected) ** 2 / expected).sum())
+    dof = int(keep.sum()) - 1
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+@pytest.mark.parametrize("draft", ["sampled", "one-hot"])
+def test_rejection_sampling_reproduces_the_target_distribution(draft):
+    gen = torch.Generator().manual_seed(0)
+    p = torch.tensor([[0.5, 0.3, 0.15, 0.05, 0.0], [0.1, 0.2, 0.3, 0.4, 0.0], [0.25, 0.25, 0.25, 0.25, 0.0]])
+    q = torch.tensor([[0.1, 0.6, 0.1, 0.1, 0.1], [0.4, 0.3, 0.1, 0.1, 0.1]])
+    first, second_after_accept, trials = torch.zeros(5), torch.zeros(5), 20_000
+    for _ in range(trials):
+        if draft == "sampled":
+            tokens = [int(torch.multinomial(row, 1, generator=gen)) for row in q]
+            out = verify_sampled(p, tokens, q, gen)
+        else:
+            tokens = [1, 3]  # a fixed guess, as an n-gram lookup makes
+            out = verify_sampled(p, tokens, None, gen)
+        assert 1 <= len(out) <= 3 and out[:-1] == tokens[:len(out) - 1]
+        first[out[0]] += 1
+        if len(out) >= 2:
+            second_after_accept[out[1]] += 1
+    assert chi_square_p_value(first, p[0]) > 1e-4, first / trials
+    # given that the first draft token was accepted, the second token follows the target's second row
+    assert chi_square_p_value(second_after_accept, p[1]) > 1e-4, second_after_accept / second_after_accept.sum()
+
+
+def test_rejection_sampling_with_a_perfect_draft_accepts_everything():
+    gen = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(4, 7, generator=gen), -1)
+    for _ in range(200):
+        tokens = [int(torch.multinomial(row, 1, generator=gen)) for row in p[:3]]
+        assert verify_sampled(p, tokens, p[:3], gen)[:3] == tokens
+
+
+def test_ngram_lookup():
+    proposer = NgramProposer(prompt_lookup_max=3, prompt_lookup_min=1)
+    assert proposer.lookup([1, 2, 3, 4, 9, 2, 3], 2) == [4, 9]  # the 2-gram [2, 3] was followed by 4, 9
+    assert proposer.lookup([1, 2, 3, 1, 2, 7, 1, 2], 3) == [7, 1, 2]  # the latest earlier match wins
+    assert proposer.lookup([5, 6, 7, 8], 2) == []  # nothing repeats
+    assert proposer.lookup([4, 4], 3) == [4]  # the match's continuation is cut at the end of the text
+    assert NgramProposer(3, 3).lookup([1, 2, 1, 2], 4) == []  # shorter n-grams are not tried below the minimum
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        NgramProposer(prompt_lookup_max=2, prompt_lookup_min=3)
+
+
+def transformers_greedy(hf_model, prompt, max_tokens):
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def repetitive_prompts(seed=0):
+    """Some prompts repeat a phrase, so an n-gram lookup has something to find; others are random."""
+    phrases = prompts_of([6, 9, 4], seed)
+    return [phrases[0] * 4, prompts_of([50], seed + 1)[0], phrases[1] * 3 + phrases[2], prompts_of([3], seed + 2)[0],
+            phrases[2] * 10, prompts_of([37], seed + 3)[0]]
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+@pytest.mark.parametrize("spec", ["ngram", "draft=target", "draft=other family"])
+def test_greedy_under_pressure_equals_transformers(checkpoints, tmp_path, spec, prefix_caching):
+    folder, hf_model = checkpoints["qwen3-gqa2-tied"]
+    if spec == "ngram":
+        config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    elif spec == "draft=target":  # every guess is right: full acceptance, bonus tokens, a two-token catch-up
+        config = {"model": str(folder), "num_speculative_tokens": 4}
+    else:  # another architecture, other weights: nearly always wrong, so verification keeps rejecting
+        save_random_checkpoint(tmp_path, "llama-untied-gqa8", seed=1)
+        config = {"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2}
+    engine = SpecDecodeEngine(load(folder), None, EngineConfig(block_size=4, num_kv_blocks=32, max_num_seqs=4,
+                                                               max_num_batched_tokens=20,
+                                                               enable_prefix_caching=prefix_caching), _backend(),
+                              config)
+    prompts = repetitive_prompts() + [repetitive_prompts()[0] + [7]]  # the last one shares a cached prefix
+    lengths = [30, 17, 25, 1, 30, 22, 12]
+    for i, (prompt, n) in enumerate(zip(prompts, lengths)):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    finished = run(engine)
+    assert engine.scheduler.num_preemptions > 0, "the test should preempt"
+    assert engine.num_draft_tokens > 0
+    if spec == "draft=target":
+        assert engine.num_accepted_tokens == engine.num_draft_tokens
+    elif spec == "ngram":  # the random model loops on the repeated phrases, and the lookup finds them
+        assert engine.num_accepted_tokens > 0
+    else:
+        assert engine.num_accepted_tokens < engine.num_draft_tokens
+    for i, (prompt, n) in enumerate(zip(prompts, lengths)):
+        assert finished[str(i)].outputs[0].token_ids == transformers_greedy(hf_model, prompt, n), f"request {i}"
+        assert finished[str(i)].outputs[0].finish_reason == "length"
+    assert engine.kv_manager.pool.num_free == 32 and not engine.scheduler.spec_token_ids
+
+
+def _backend():
+    from minivllm.paged import PagedAttention
+
+    return PagedAttention
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_sampling_with_top_k_1_is_greedy(checkpoints, method):
+    """top_k=1 makes every distribution one-hot: the rejection-sampling path must give the greedy tokens."""
+    folder, hf_model = checkpoints["qwen3-gqa2-tied"]
+    config = {"method": method, "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1} \
+        if method == "ngram" else {"model": str(folder), "num_speculative_tokens": 3}
+    engine = SpecDecodeEngine(load(folder), None, EngineConfig(block_size=4, num_kv_blocks=64), _backend(), config)
+    prompts = repetitive_prompts(seed=5)[:4]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=1.0, top_k=1, seed=i, max_tokens=20,
+                                                          ignore_eos=True))
+    finished = run(engine)
+    assert engine.num_accepted_tokens > 0
+    for i, prompt in enumerate(prompts):
+        assert finished[str(i)].outputs[0].token_ids == transformers_greedy(hf_model, prompt, 20)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_sampled_tokens_follow_the_target_distribution(tmp_path, method):
+    """The third token of 3,000 seeded samples against its exact marginal under the target alone."""
+    vocab = 8
+    target = save_random_checkpoint(tmp_path / "target", "qwen3-gqa2-tied", vocab_size=vocab, seed=3)
+    save_random_checkpoint(tmp_path / "draft", "llama-untied-gqa8", vocab_size=vocab, seed=4)
+    config = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 1, "prompt_lookup_min": 1} \
+        if method == "ngram" else {"model": str(tmp_path / "draft"), "num_speculative_tokens": 2}
+    engine = SpecDecodeEngine(load(tmp_path / "target"), None,
+                              EngineConfig(block_size=4, num_kv_blocks=4096, max_num_seqs=256,
+                                           max_num_batched_tokens=2048), _backend(), config)
+    prompt, samples = [3, 5, 3, 6], 3000
+    engine.add_request("r", prompt, SamplingParams(n=samples, temperature=1.0, seed=0, max_tokens=3, ignore_eos=True))
+    third = torch.zeros(vocab)
+    for completion in run(engine)["r"].outputs:
+        third[completion.token_ids[2]] += 1
+    assert engine.num_draft_tokens > 0 and engine.num_accepted_tokens > 0
+    with torch.no_grad():  # P(t3) = sum over t1, t2 of p(t1) p(t2 | t1) p(t3 | t1, t2)
+        p1 = target(torch.tensor([prompt])).logits[0, -1].softmax(-1)
+        firsts = torch.tensor([prompt + [a] for a in range(vocab)])
+        p2 = target(firsts).logits[:, -1].softmax(-1)  # [t1, t2]
+        seconds = torch.tensor([prompt + [a, b] for a in range(vocab) for b in range(vocab)])
+        p3 = target(seconds).logits[:, -1].softmax(-1).view(vocab, vocab, vocab)
+        exact = torch.einsum("a,ab,abc->c", p1, p2, p3)
+    assert chi_square_p_value(third, exact) > 1e-4, (third / samples, exact)
+    assert engine.kv_manager.pool.num_free == 4096
+
+
+def test_abort_and_max_model_len_with_drafts_in_flight(checkpoints):
+    folder, hf_model = checkpoints["qwen3-gqa2-tied"]
+    engine = SpecDecodeEngine(load(folder), None, EngineConfig(block_size=4, num_kv_blocks=32, max_model_len=40),
+                              _backend(), {"model": str(folder), "num_speculative_tokens": 5})
+    prompt = prompts_of([30])[0]
+    engine.add_request("long", prompt, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
+    engine.add_request("aborted", prompts_of([9])[0], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.scheduler.spec_token_ids, "drafts should be in flight"
+    engine.abort_request("aborted")
+    finished = run(engine)
+    out = finished["long"].outputs[0]
+    assert len(prompt) + len(out.token_ids) == 40 and out.finish_reason == "length"  # drafts never pass the limit
+    assert out.token_ids == transformers_greedy(hf_model, prompt, 10)
+    assert engine.kv_manager.pool.num_free == 32
+
+
+def test_bad_speculative_config_is_refused_naming_the_field(checkpoints, tmp_path):
+    folder, _ = checkpoints["qwen3-gqa2-tied"]
+    model, config = load(folder), EngineConfig(num_kv_blocks=16)
+    for spec, field in [({"method": "eagle", "num_speculative_tokens": 2}, "method"),
+                        ({"num_speculative_tokens": 2}, "method"),
+                        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+                        ({"method": "ngram"}, "num_speculative_tokens"),
+                        ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "lookahead"),
+                        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
+                          "prompt_lookup_max": 2}, "prompt_lookup_min")]:
+        with pytest.raises(ValueError, match=field):
+            SpecDecodeEngine(model, None, config, _backend(), spec)
+    save_random_checkpoint(tmp_path, "llama-untied-gqa8", vocab_size=300)
+    with pytest.raises(ValueError, match="vocabulary of 300 tokens"):
+        SpecDecodeEngine(model, None, config, _backend(), {"model": str(tmp_path), "num_speculative_tokens": 2})
+
+
+def test_llm_api_with_the_embedded_draft_model():
+    from minivllm import LLM
+    from minivllm.texts import CORPUS
+
+    prompts = [CORPUS[:200], CORPUS[1000:1100], "ROMEO:"]
+    params = SamplingParams(temperature=0, max_tokens=40)
+    plain = LLM(num_kv_blocks=256).generate(prompts, params, use_tqdm=False)
+    for spec in [{"model": None, "num_speculative_tokens": 3},
+                 {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}]:
+        llm = LLM(num_kv_blocks=256, speculative_config=spec)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].text for o in outs] == [o.outputs[0].text for o in plain]
+        stats = llm.stats()
+        assert 0 < stats["spec_decode_num_accepted_tokens"] <= stats["spec_decode_num_draft_tokens"]
+        assert stats["kv_blocks_free"] == stats["kv_blocks_total"]

@@ -66,6 +66,7 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     probs = logits.softmax(-1)
     if params.min_p > 0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+        probs = probs / probs.sum()
     if params.top_p < 1:
         sorted_probs, order = probs.sort(descending=True)
         # drop a token when the tokens above it already reach top_p; the top token always stays

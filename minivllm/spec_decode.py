@@ -185,7 +185,8 @@ class SpecDecodeEngine(LLMEngine):
                                  f"max_model_len = {self.config.max_model_len}")
             self.proposer = DraftModelProposer(draft, self.kv_cache, self.kv_manager, backend)
         self.draft_probs: dict[object, torch.Tensor | None] = {}
-        self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.num_accepted_tokens_per_pos = [0] * k
 
     def _tokens_to_run(self, request, n: int) -> list[int]:
         known = request.all_token_ids[request.num_computed_tokens:request.num_computed_tokens + n]
@@ -215,8 +216,13 @@ class SpecDecodeEngine(LLMEngine):
                 p = torch.stack([sampling_probs(x, request.params) for x in logits[span]])
                 new_tokens[request] = verify_sampled(p, drafts, None if q is None else q[:len(drafts)],
                                                      self._state[request][1])
-            self.num_draft_tokens += len(drafts)
-            self.num_accepted_tokens += len(new_tokens[request]) - 1
+            if drafts:  # the counters of vLLM's SpecDecodingStats
+                accepted = len(new_tokens[request]) - 1
+                self.num_drafts += 1
+                self.num_draft_tokens += len(drafts)
+                self.num_accepted_tokens += accepted
+                for position in range(accepted):
+                    self.num_accepted_tokens_per_pos[position] += 1
         return new_tokens
 
     def step(self):
@@ -253,5 +259,7 @@ class SpecDecodeEngine(LLMEngine):
                 self.draft_probs[request] = probs
 
     def stats(self) -> dict:
-        return super().stats() | {"spec_decode_num_draft_tokens": self.num_draft_tokens,
-                                  "spec_decode_num_accepted_tokens": self.num_accepted_tokens}
+        return super().stats() | {"spec_decode_num_drafts": self.num_drafts,
+                                  "spec_decode_num_draft_tokens": self.num_draft_tokens,
+                                  "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+                                  "spec_decode_num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos)}

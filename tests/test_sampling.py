@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from minivllm.sampling import SamplingParams, sample_token
+from minivllm.sampling import SamplingParams, sample_token, sampling_probs
 
 
 @pytest.mark.parametrize("field, value", [
@@ -82,3 +82,10 @@ def test_min_p_drops_tokens_far_below_the_best():
     logits = torch.log(torch.tensor([0.6, 0.3, 0.07, 0.03]))
     frequencies = draws(logits, SamplingParams(min_p=0.1), count=2000)  # threshold 0.06
     assert frequencies[3] == 0 and frequencies[2] > 0
+
+
+def test_top_p_counts_what_min_p_left_as_vllm_does():
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    probs = sampling_probs(logits, SamplingParams(temperature=1.0, min_p=0.2, top_p=0.82))
+    # min_p drops 0.05; renormalised, 0.5 and 0.3 already hold 0.84 >= 0.82, so 0.15 goes too
+    assert (probs > 0).tolist() == [True, True, False, False]

@@ -1,12 +1,11 @@
 """Speculative decoding (chapter 9): verification is exact, greedy outputs are the target's token for token,
 sampled outputs follow the target's distribution, and every block comes back."""
 
-import math
-
 import pytest
 import torch
 
 from minivllm.engine import EngineConfig
+from minivllm.exercises.ch09 import chi_square_p_value
 from minivllm.sampling import SamplingParams
 from minivllm.spec_decode import NgramProposer, SpecDecodeEngine, verify_greedy, verify_sampled
 from tests.conftest import save_random_checkpoint
@@ -18,17 +17,6 @@ def test_verify_greedy_keeps_the_agreeing_run_and_adds_one():
     assert verify_greedy([5, 9, 7, 8], [5, 6, 7]) == [5, 9]  # the target's token replaces the first miss
     assert verify_greedy([4, 6, 7, 8], [5, 6, 7]) == [4]
     assert verify_greedy([3], []) == [3]
-
-
-def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Upper tail of Pearson's statistic (Wilson-Hilferty approximation), over categories with p > 0."""
-    keep = probs > 0
-    assert counts[~keep].sum() == 0, "a token the target gives no probability was produced"
-    expected = probs[keep] * counts.sum()
-    stat = float(((counts[keep] - expected) ** 2 / expected).sum())
-    dof = int(keep.sum()) - 1
-    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
-    return 0.5 * math.erfc(z / math.sqrt(2))
 
 
 @pytest.mark.parametrize("draft", ["sampled", "one-hot"])

@@ -1,0 +1,107 @@
+"""Chapter 9 exercises."""
+
+import math
+import random
+
+import torch
+
+from minivllm.exercises import exercise, expect
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """How likely counts at least this far from `probs` are by chance: the upper tail of Pearson's statistic
+    (Wilson-Hilferty approximation), over the categories with p > 0. A count where p = 0 gives 0."""
+    keep = probs > 0
+    if counts[~keep].sum() > 0:
+        return 0.0
+    expected = probs[keep] / probs[keep].sum() * counts.sum()
+    statistic = float(((counts[keep] - expected) ** 2 / expected).sum())
+    dof = int(keep.sum()) - 1
+    z = ((statistic / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+@exercise("09.expected_tokens")
+def _expected_tokens():
+    def case(alpha, k):
+        def test(expected_tokens):
+            want = k + 1 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+            got = expected_tokens(alpha, k)
+            expect(isinstance(got, (int, float)) and abs(got - want) < 1e-9,
+                   f"expected_tokens({alpha}, {k}) = {got!r}, expected {want:.6f}")
+        return test
+
+    return [
+        ("a guesser that is always wrong still gets one token a round", case(0.0, 4)),
+        ("alpha = 0.5, k = 3", case(0.5, 3)),
+        ("k = 0 is plain decoding", case(0.7, 0)),
+        ("a guesser that is always right: k + 1", case(1.0, 5)),
+        ("alpha = 0.9, k = 8", case(0.9, 8)),
+    ]
+
+
+@exercise("09.ngram_lookup")
+def _ngram_lookup():
+    from minivllm.spec_decode import NgramProposer
+
+    def case(tokens, k, high, low, what):
+        def test(ngram_lookup):
+            got = list(ngram_lookup(list(tokens), k, high, low))
+            want = NgramProposer(high, low).lookup(list(tokens), k)
+            expect(got == want, f"{what}: got {got}, expected {want}")
+        return test
+
+    rng = random.Random(0)
+    randoms = [[rng.randrange(4) for _ in range(rng.randrange(2, 40))] for _ in range(40)]
+    return [
+        ("the 2-gram [2, 3] was followed by 4, 9", case([1, 2, 3, 4, 9, 2, 3], 2, 3, 1, "[1, 2, 3, 4, 9, 2, 3]")),
+        ("the latest earlier match wins", case([1, 2, 3, 1, 2, 7, 1, 2], 3, 3, 1, "[1, 2, 3, 1, 2, 7, 1, 2]")),
+        ("longer n-grams are tried first", case([5, 1, 2, 8, 3, 1, 2, 9, 5, 1, 2], 1, 3, 1, "3-gram [5, 1, 2]")),
+        ("nothing repeats: no guess", case([5, 6, 7, 8], 2, 3, 1, "[5, 6, 7, 8]")),
+        ("the continuation is cut at the end of the text", case([4, 4], 3, 3, 1, "[4, 4]")),
+        ("no n-grams shorter than the minimum", case([1, 2, 1, 2], 4, 3, 3, "min 3")),
+        ("40 random sequences over 4 tokens", lambda fn: [case(t, 3, 3, 1, f"random {t}")(fn) for t in randoms]),
+    ]
+
+
+@exercise("09.verify_sampled")
+def _verify_sampled():
+    p = torch.tensor([[0.5, 0.3, 0.15, 0.05, 0.0], [0.1, 0.2, 0.3, 0.4, 0.0], [0.25, 0.25, 0.25, 0.25, 0.0]])
+    q = torch.tensor([[0.1, 0.6, 0.1, 0.1, 0.1], [0.4, 0.3, 0.1, 0.1, 0.1]])
+
+    def distribution(one_hot: bool):
+        def test(verify_sampled):
+            generator = torch.Generator().manual_seed(0)
+            first, second = torch.zeros(5), torch.zeros(5)
+            for _ in range(20_000):
+                if one_hot:
+                    tokens = [1, 3]
+                    out = list(verify_sampled(p, tokens, None, generator))
+                else:
+                    tokens = [int(torch.multinomial(row, 1, generator=generator)) for row in q]
+                    out = list(verify_sampled(p, tokens, q, generator))
+                expect(1 <= len(out) <= 3 and out[:-1] == tokens[:len(out) - 1],
+                       f"drafts {tokens} gave {out}: expected accepted drafts, then one token of the target's")
+                first[out[0]] += 1
+                if len(out) >= 2:
+                    second[out[1]] += 1
+            expect(chi_square_p_value(first, p[0]) > 1e-4,
+                   f"first token frequencies {[round(x, 3) for x in (first / first.sum()).tolist()]}, "
+                   f"target {p[0].tolist()}")
+            expect(chi_square_p_value(second, p[1]) > 1e-4,
+                   f"second token (after an accepted first) {[round(x, 3) for x in (second / second.sum()).tolist()]}, "
+                   f"target {p[1].tolist()}")
+        return test
+
+    def perfect_draft(verify_sampled):
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(200):
+            tokens = [int(torch.multinomial(row, 1, generator=generator)) for row in p[:2]]
+            out = list(verify_sampled(p, tokens, p[:2], generator))
+            expect(out[:2] == tokens, f"q = p must accept every draft; drafts {tokens} gave {out}")
+
+    return [
+        ("sampled drafts: the outputs follow the target", distribution(one_hot=False)),
+        ("fixed guesses (draft_probs=None): the outputs follow the target", distribution(one_hot=True)),
+        ("a draft equal to the target is always accepted", perfect_draft),
+    ]

@@ -1,6 +1,7 @@
 """Command line:
 
     python -m minivllm generate "ROMEO:" --max-tokens 50
+    python -m minivllm generate "ROMEO:" --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
     python -m minivllm bench [--num-prompts 64 ...]
     python -m minivllm explain-cache A.txt B.txt [--block-size 16]   # what B would reuse from A's cache
 """
@@ -16,7 +17,7 @@ def generate(args) -> int:
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_tokens=args.max_tokens, n=args.n, stop=args.stop or None)
-    llm = LLM(args.model)
+    llm = LLM(args.model, speculative_config=args.speculative_config)
     for output in llm.generate(args.prompts, params, use_tqdm=len(args.prompts) > 1):
         for completion in output.outputs:
             print(output.prompt + completion.text)
@@ -44,6 +45,18 @@ def explain_cache(args) -> int:
     return 0
 
 
+def json_object(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":
@@ -62,6 +75,9 @@ def main(argv=None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--n", type=int, default=1)
     gen.add_argument("--stop", action="append", default=[])
+    gen.add_argument("--speculative-config", type=json_object, default=None,
+                     help='speculative decoding (chapter 9), as JSON: {"method": "ngram" or "draft_model", '
+                          '"num_speculative_tokens": k, ...}')
     sub.add_parser("bench", help="throughput, TTFT and TPOT of the engine (see python -m minivllm bench --help)")
     explain = sub.add_parser("explain-cache", help="which blocks of prompt B would be served from A's prefix cache")
     explain.add_argument("a", help="a text file, or a .json chat (a list of {role, content} messages)")

@@ -209,3 +209,18 @@ def test_llm_api_with_the_embedded_draft_model():
         stats = llm.stats()
         assert 0 < stats["spec_decode_num_accepted_tokens"] <= stats["spec_decode_num_draft_tokens"]
         assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_command_line_speculative_config():
+    import subprocess
+    import sys
+
+    def run_cli(*extra):
+        return subprocess.run([sys.executable, "-m", "minivllm", "generate", "ROMEO:", "--max-tokens", "12", *extra],
+                              capture_output=True, text=True, timeout=300)
+
+    plain, spec = run_cli(), run_cli("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
+    assert spec.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout
+    bad = run_cli("--speculative-config", '{"method": "ngram"')
+    assert bad.returncode != 0 and "--speculative-config" in bad.stderr and "not JSON" in bad.stderr

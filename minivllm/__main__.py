@@ -2,6 +2,7 @@
 
     python -m minivllm generate "ROMEO:" --max-tokens 50
     python -m minivllm generate "ROMEO:" --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
+    python -m minivllm serve [--port 8000]                    # an OpenAI-compatible server (chapter 10)
     python -m minivllm bench [--num-prompts 64 ...]
     python -m minivllm explain-cache A.txt B.txt [--block-size 16]   # what B would reuse from A's cache
 """
@@ -22,6 +23,18 @@ def generate(args) -> int:
         for completion in output.outputs:
             print(output.prompt + completion.text)
             print(f"[{len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def serve(args) -> int:
+    from minivllm import LLM
+    from minivllm.server import serve as run_server
+
+    llm = LLM(args.model, speculative_config=args.speculative_config)
+    try:
+        run_server(llm, args.host, args.port, args.served_model_name)
+    except KeyboardInterrupt:
+        pass
     return 0
 
 
@@ -78,6 +91,12 @@ def main(argv=None) -> int:
     gen.add_argument("--speculative-config", type=json_object, default=None,
                      help='speculative decoding (chapter 9), as JSON: {"method": "ngram" or "draft_model", '
                           '"num_speculative_tokens": k, ...}')
+    server = sub.add_parser("serve", help="an OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions")
+    server.add_argument("--model", default=None, help="checkpoint folder (default: the embedded tiny model)")
+    server.add_argument("--host", default="127.0.0.1")
+    server.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
+    server.add_argument("--served-model-name", default="minivllm", help="the name clients pass as `model`")
+    server.add_argument("--speculative-config", type=json_object, default=None)
     sub.add_parser("bench", help="throughput, TTFT and TPOT of the engine (see python -m minivllm bench --help)")
     explain = sub.add_parser("explain-cache", help="which blocks of prompt B would be served from A's prefix cache")
     explain.add_argument("a", help="a text file, or a .json chat (a list of {role, content} messages)")
@@ -88,7 +107,8 @@ def main(argv=None) -> int:
     explain.add_argument("--model", default=None)
     args = parser.parse_args(argv)
     try:
-        return explain_cache(args) if args.command == "explain-cache" else generate(args)
+        commands = {"explain-cache": explain_cache, "serve": serve, "generate": generate}
+        return commands[args.command](args)
     except (ValueError, OSError) as error:
         parser.error(str(error))
 

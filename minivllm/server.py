@@ -34,6 +34,9 @@ class AsyncLLM:
         try:
             while not finished:
                 output = await queue.get()
+                if isinstance(output, Exception):
+                    finished = True
+                    raise RuntimeError(f"the engine failed: {output!r}") from output
                 finished = output.finished
                 yield output
         finally:
@@ -55,7 +58,15 @@ class AsyncLLM:
                 self._aborts.clear()
                 if not self.engine.has_unfinished_requests():
                     continue
-                for output in await asyncio.to_thread(self.engine.step):
+                try:
+                    outputs = await asyncio.to_thread(self.engine.step)
+                except Exception as error:  # a bug, not bad input: fail the requests in flight, keep serving
+                    for request_id, queue in list(self._streams.items()):
+                        queue.put_nowait(error)
+                        self.engine.abort_request(request_id)
+                        self._release(request_id)
+                    continue
+                for output in outputs:
                     if output.request_id in self._streams:
                         self._streams[output.request_id].put_nowait(output)
                     if output.finished:
@@ -145,6 +156,10 @@ class OpenAIServer:
                                                               "param": error.param, "code": error.status}})
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the client went away; its request, if any, was aborted on the way out
+        except Exception as error:  # reported, not hidden; if a stream had begun, the client sees it cut short
+            with contextlib.suppress(ConnectionError):
+                await write_json(writer, 500, {"error": {"message": str(error), "type": "InternalServerError",
+                                                         "param": None, "code": 500}})
         finally:
             writer.close()
 

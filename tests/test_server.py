@@ -215,3 +215,20 @@ def test_command_line_serve():
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def test_an_engine_failure_is_a_500_and_the_server_keeps_serving(llm, server, monkeypatch):
+    real_step, calls = llm.engine.step, []
+
+    def failing_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("simulated kernel failure")
+        return real_step()
+
+    monkeypatch.setattr(llm.engine, "step", failing_once)
+    status, body = post(server, "/v1/completions", {"prompt": "ROMEO:", "max_tokens": 5})
+    assert status == 500 and "simulated kernel failure" in body["error"]["message"]
+    status, body = post(server, "/v1/completions", {"prompt": "ROMEO:", "max_tokens": 5})
+    assert status == 200 and body["usage"]["completion_tokens"] == 5
+    assert not llm.engine.has_unfinished_requests() and llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]

@@ -32,9 +32,12 @@ clean-notebooks: install
 notebooks: install
 	$(PY) -m minivllm.notebook_tools execute --inplace
 
-## make bench: minivllm against transformers (generate, generate_batch) on the same requests; JSON in bench/results
+## make bench: minivllm against transformers (generate, generate_batch) on the same requests, speculative
+## decoding (chapter 9) and the server under Poisson load (chapter 10); JSON in bench/results
 bench: install
 	$(PY) -m minivllm.bench compare --out bench/results
+	$(PY) -m minivllm.bench spec --num-prompts 16 --output-len 256 --out bench/results
+	$(PY) -m minivllm.bench serve --num-prompts 32 --output-len 128 --out bench/results
 
 ## make gpu-check: on a CUDA machine, chapter 8's kernel tests compiled and their benchmarks -> bench/gpu/
 gpu-check: install

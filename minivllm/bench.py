@@ -2,16 +2,22 @@
 
     python -m minivllm bench [--num-prompts 64 --output-len 128 ...]   # the engine alone, JSON to stdout
     python -m minivllm.bench compare --out bench/results               # `make bench`: minivllm vs transformers
+    python -m minivllm.bench spec --out bench/results                  # speculative decoding (chapter 9)
+    python -m minivllm.bench serve --out bench/results                 # the server under Poisson load (chapter 10)
 
 `compare` runs the same requests (greedy, ignore_eos) on the same random-init Qwen3-shaped checkpoint
 through minivllm, transformers' `generate` in static padded batches, and transformers' `generate_batch`
 (its continuous batching with paged attention), in one process, one after the other, and reports output
-tokens per second and the ratios side by side. Results are written with the date and the machine.
+tokens per second and the ratios side by side. `spec` sweeps chapter 9's proposers and k on the embedded
+model and its draft (a random-init checkpoint would accept nothing), at batch 1 and batch 8. `serve` runs
+chapter 10's server on the benchmark checkpoint and sends it Poisson load at several rates. Results are
+written with the date and the machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
 import json
 import os
@@ -153,9 +159,74 @@ def compare(args) -> dict:
             "runs": runs, "throughput_ratios": ratios}
 
 
+def spec(args) -> dict:
+    from minivllm import LLM, SamplingParams
+    from minivllm.texts import CORPUS
+
+    prompts = [CORPUS[i * 150:i * 150 + 300] for i in range(args.num_prompts)]
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+
+    def run(config, batch):
+        llm = LLM(speculative_config=config)
+        llm.generate("ROMEO:", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
+        start = time.perf_counter()
+        outputs = [o for i in range(0, len(prompts), batch)
+                   for o in llm.generate(prompts[i:i + batch], params, use_tqdm=False)]
+        return time.perf_counter() - start, llm.stats(), [o.outputs[0].token_ids for o in outputs]
+
+    results = {}
+    for batch in args.batch_sizes:
+        base_seconds, _, base_tokens = run(None, batch)
+        rows = [{"method": None, "k": 0, "seconds": base_seconds, "speedup": 1.0}]
+        print(f"batch {batch}: plain decoding {base_seconds:.1f} s", flush=True)
+        for method in ["draft_model", "ngram"]:
+            for k in args.ks:
+                config = {"method": method, "num_speculative_tokens": k}
+                if method == "ngram":
+                    config |= {"prompt_lookup_max": 4, "prompt_lookup_min": 2}
+                seconds, stats, tokens = run(config, batch)
+                drafts = max(1, stats["spec_decode_num_drafts"])
+                rows.append({"method": method, "k": k, "seconds": seconds, "speedup": base_seconds / seconds,
+                             "acceptance_rate": stats["spec_decode_num_accepted_tokens"]
+                             / max(1, stats["spec_decode_num_draft_tokens"]),
+                             "mean_acceptance_length": 1 + stats["spec_decode_num_accepted_tokens"] / drafts,
+                             "per_position": [n / drafts for n in stats["spec_decode_num_accepted_tokens_per_pos"]],
+                             "outputs_identical": tokens == base_tokens})
+                print(f"  {method} k={k}: speed-up {rows[-1]['speedup']:.2f}, tokens per round "
+                      f"{rows[-1]['mean_acceptance_length']:.2f}", flush=True)
+        results[f"batch_{batch}"] = rows
+    return {"machine": machine(), "model": "embedded tiny-shakespeare + tiny-shakespeare-draft",
+            "workload": {"prompts": len(prompts), "prompt_chars": 300, "output_len": args.output_len},
+            "results": results}
+
+
+def serve(args) -> dict:
+    from minivllm import LLM
+    from minivllm.loadgen import run_load, summarize
+    from minivllm.server import BackgroundServer
+
+    prompts = workload(args.num_prompts, args.min_prompt, args.max_prompt, args.seed)
+    warmup = [[t + 1 for t in p] for p in prompts[:4]]  # other tokens: a warm-up must not fill the prefix cache
+    results = {}
+    with tempfile.TemporaryDirectory() as folder:
+        params = make_bench_checkpoint(Path(folder))
+        llm = LLM(folder, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+        with BackgroundServer(llm) as server:
+            asyncio.run(run_load(server.host, server.port, warmup, float("inf"), 8))
+            for rate in args.request_rates:
+                timings, seconds = asyncio.run(run_load(server.host, server.port, prompts, rate, args.output_len,
+                                                        args.seed))
+                results[str(rate)] = summarize(timings, seconds)
+                print(f"rate {rate}: {json.dumps(results[str(rate)])}", flush=True)
+    return {"machine": machine(), "checkpoint_parameters": params, "workload": {
+        "num_prompts": args.num_prompts, "prompt_tokens": [args.min_prompt, args.max_prompt],
+        "output_len": args.output_len, "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens}, "by_request_rate": results}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["engine", "compare"])
+    parser.add_argument("command", choices=["engine", "compare", "spec", "serve"])
     parser.add_argument("--model", default=None, help="checkpoint for `engine` (default: a random-init 32M Qwen3)")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--min-prompt", type=int, default=32)
@@ -166,6 +237,10 @@ def main(argv=None) -> int:
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip", nargs="*", default=[])
+    parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 6], help="spec: draft lengths")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8], help="spec: requests at a time")
+    parser.add_argument("--request-rates", type=float, nargs="+", default=[0.5, 1, 2, 4, float("inf")],
+                        help="serve: Poisson request rates per second (inf: all at once)")
     parser.add_argument("--out", type=Path, default=None, help="folder for the JSON result")
     args = parser.parse_args(argv)
     for name in ("num_prompts", "min_prompt", "output_len", "max_num_seqs", "max_num_batched_tokens", "hf_batch_size"):
@@ -174,8 +249,10 @@ def main(argv=None) -> int:
     if args.max_prompt < args.min_prompt:
         parser.error("--max-prompt must be >= --min-prompt")
 
-    if args.command == "compare":
-        result = compare(args)
+    if min(args.ks) < 1 or min(args.batch_sizes) < 1 or min(args.request_rates) <= 0:
+        parser.error("--ks and --batch-sizes must be >= 1, --request-rates > 0")
+    if args.command in ("compare", "spec", "serve"):
+        result = {"compare": compare, "spec": spec, "serve": serve}[args.command](args)
     else:
         prompts = workload(args.num_prompts, args.min_prompt, args.max_prompt, args.seed)
         with tempfile.TemporaryDirectory() as folder:

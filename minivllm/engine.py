@@ -97,7 +97,7 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         self.validate(request_id, prompt_token_ids, params)
         now = time.perf_counter()
-        children = []
+        children, states = [], []
         for index in range(params.n):
             # parallel sampling as in vLLM V1: n sequences, each with its own seed; chapter 7's prefix cache
             # lets them share the prompt's blocks
@@ -106,8 +106,11 @@ class LLMEngine:
             generator = self.generator if child_params.seed is None else \
                 torch.Generator(self.device).manual_seed(child_params.seed)
             room = self.config.max_model_len - len(prompt_token_ids)
-            self._state[child] = (StopChecker(child_params, self.tokenizer, max_new_tokens=room), generator)
             children.append(child)
+            states.append((StopChecker(child_params, self.tokenizer, max_new_tokens=room), generator))
+        # only now, when nothing can fail any more, does the engine learn of the request
+        self._state.update(zip(children, states))
+        for child in children:
             self.scheduler.add(child)
         self.groups[request_id] = children
         self.prompts[request_id] = prompt

@@ -23,7 +23,8 @@ class LLM:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         backend = attention_backend_class(attention_backend, device)
         lm, self.tokenizer = load_model(model, dtype=dtype, device=device)
-        if num_kv_blocks is None:
+        sized_here = num_kv_blocks is None
+        if sized_here:
             num_kv_blocks = kv_blocks_for(lm, block_size, kv_cache_memory_bytes)
         config = EngineConfig(block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens, max_model_len,
                               enable_prefix_caching, enable_chunked_prefill, seed)
@@ -32,7 +33,9 @@ class LLM:
         else:
             from minivllm.spec_decode import SpecDecodeEngine  # chapter 9
 
-            self.engine = SpecDecodeEngine(lm, self.tokenizer, config, backend, speculative_config)
+            # a draft model's cache comes out of the same memory budget, unless the caller gave num_kv_blocks
+            self.engine = SpecDecodeEngine(lm, self.tokenizer, config, backend, speculative_config,
+                                           share_kv_budget=sized_here)
 
     def get_tokenizer(self):
         return self.tokenizer

@@ -55,7 +55,7 @@ async def stream_completion(host: str, port: int, payload: dict) -> RequestTimin
         if event.get("usage"):
             num_tokens = event["usage"]["completion_tokens"]
         for choice in event["choices"]:
-            if choice["text"]:
+            if choice["text"] or choice["finish_reason"]:  # a request may finish without visible text
                 arrivals.append(time.perf_counter())
                 pieces.append(choice["text"])
     writer.close()

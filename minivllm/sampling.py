@@ -34,6 +34,8 @@ class SamplingParams:
             ("top_p", self.top_p, 0 < self.top_p <= 1, "in (0, 1]"),
             ("top_k", self.top_k, isinstance(self.top_k, int) and self.top_k >= -1, "-1, 0 (all) or a positive integer"),
             ("min_p", self.min_p, 0 <= self.min_p <= 1, "in [0, 1]"),
+            ("seed", self.seed, self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+             "None or an integer in [0, 2**63)"),
             ("max_tokens", self.max_tokens, self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
              "None or an integer >= 1"),
             ("stop", self.stop, all(isinstance(s, str) and s for s in self.stop_strings), "non-empty strings"),

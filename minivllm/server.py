@@ -19,6 +19,7 @@ class AsyncLLM:
         self._streams: dict[str, asyncio.Queue] = {}
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
+        self._closing = False
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None):
         """Yield the request's RequestOutput each time it grows; the last one has finished=True.
@@ -45,13 +46,16 @@ class AsyncLLM:
                 self._wake.set()
 
     async def _run_engine(self) -> None:
-        while True:
+        while not self._closing:
             await self._wake.wait()
             self._wake.clear()
-            while self._inbox or self._aborts or self.engine.has_unfinished_requests():
-                for request_id, prompt_token_ids, params, prompt in self._inbox:
-                    self.engine.add_request(request_id, prompt_token_ids, params, prompt)
-                self._inbox.clear()
+            while (self._inbox or self._aborts or self.engine.has_unfinished_requests()) and not self._closing:
+                while self._inbox:
+                    request_id, prompt_token_ids, params, prompt = self._inbox.pop(0)
+                    try:
+                        self.engine.add_request(request_id, prompt_token_ids, params, prompt)
+                    except Exception as error:  # fails this request alone
+                        self._fail(request_id, error)
                 for request_id in self._aborts:
                     self.engine.abort_request(request_id)
                     self._release(request_id)
@@ -60,11 +64,10 @@ class AsyncLLM:
                     continue
                 try:
                     outputs = await asyncio.to_thread(self.engine.step)
-                except Exception as error:  # a bug, not bad input: fail the requests in flight, keep serving
-                    for request_id, queue in list(self._streams.items()):
-                        queue.put_nowait(error)
+                except Exception as error:  # a bug, not bad input: fail the engine's requests, keep serving
+                    for request_id in list(self.engine.groups):
                         self.engine.abort_request(request_id)
-                        self._release(request_id)
+                        self._fail(request_id, error)
                     continue
                 for output in outputs:
                     if output.request_id in self._streams:
@@ -72,10 +75,25 @@ class AsyncLLM:
                     if output.finished:
                         self._release(output.request_id)
 
+    def _fail(self, request_id: str, error: Exception) -> None:
+        if request_id in self._streams:
+            self._streams[request_id].put_nowait(error)
+        self._release(request_id)
+
     def _release(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
         if request_id in self.engine.groups:
             self.engine.release(request_id)
+
+    async def shutdown(self) -> None:
+        """Stop the engine loop after the step in progress, and abort whatever is still running."""
+        self._closing = True
+        self._wake.set()
+        if self._loop_task is not None:
+            await self._loop_task
+        for request_id in list(self.engine.groups):
+            self.engine.abort_request(request_id)
+            self._release(request_id)
 
 
 def sendable_text(text: str, finished: bool, stop: list[str]) -> str:
@@ -229,6 +247,8 @@ class OpenAIServer:
         if body.get("model", self.model_name) != self.model_name:
             raise HTTPError(404, f"the model {body['model']!r} does not exist; this server has {self.model_name!r}",
                             "model")
+        if not isinstance(body.get("stream_options") or {}, dict):
+            raise HTTPError(400, "stream_options must be an object", "stream_options")
         params = sampling_params(body if not chat or "max_tokens" in body else {**body, "max_tokens": None})
         arrival = time.perf_counter()
         outputs = self.engine.generate(token_ids, params, prompt)
@@ -252,6 +272,8 @@ class OpenAIServer:
                             **({"message": {"role": "assistant", "content": c.text}} if chat else
                                {"text": c.text, "logprobs": None})} for c in final.outputs]
                 await write_json(writer, 200, {**header, "object": kind, "choices": choices, "usage": usage(final)})
+        if final is None:
+            return
         self.e2e.observe(time.perf_counter() - arrival)
         self.counters["minivllm:request_success_total"] += 1
         self.counters["minivllm:prompt_tokens_total"] += len(final.prompt_token_ids)
@@ -275,19 +297,29 @@ class OpenAIServer:
                 await send_event(writer, {**header, "object": kind, "choices": [
                     {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
         rest = self.timed(outputs)
-        output = first
-        while True:
-            for completion in output.outputs:
-                text = sendable_text(completion.text, completion.finish_reason is not None, params.stop_strings)
-                delta, sent[completion.index] = text[len(sent[completion.index]):], text
-                if delta or completion.finish_reason:
-                    piece = {"delta": {"content": delta}} if chat else {"text": delta, "logprobs": None}
-                    await send_event(writer, {**header, "object": kind, "choices": [
-                        {"index": completion.index, **piece, "finish_reason": completion.finish_reason}]})
-            if output.finished:
-                break
-            output = await anext(rest)
-        if options.get("include_usage"):
+        output, finished = first, [False] * params.n
+        try:
+            while True:
+                for completion in output.outputs:
+                    if finished[completion.index]:
+                        continue
+                    # a decoded prefix never changes here (the tokenizer does not clean up spaces); vLLM's
+                    # incremental detokenizer does not need that assumption
+                    text = sendable_text(completion.text, completion.finish_reason is not None, params.stop_strings)
+                    delta, sent[completion.index] = text[len(sent[completion.index]):], text
+                    finished[completion.index] = completion.finish_reason is not None
+                    if delta or completion.finish_reason:
+                        piece = {"delta": {"content": delta}} if chat else {"text": delta, "logprobs": None}
+                        await send_event(writer, {**header, "object": kind, "choices": [
+                            {"index": completion.index, **piece, "finish_reason": completion.finish_reason}]})
+                if output.finished:
+                    break
+                output = await anext(rest)
+        except RuntimeError as error:  # the engine failed after the stream began: say so in the stream
+            await send_event(writer, {"error": {"message": str(error), "type": "InternalServerError",
+                                                "param": None, "code": 500}})
+            output = None
+        if output is not None and options.get("include_usage"):
             await send_event(writer, {**header, "object": kind, "choices": [], "usage": usage(output)})
         writer.write(b"data: [DONE]\n\n")
         await writer.drain()
@@ -297,10 +329,11 @@ class OpenAIServer:
 def sampling_params(body: dict) -> SamplingParams:
     """The request's sampling fields as SamplingParams; a wrong type or value is a 400 naming the field."""
     kinds = {"temperature": (int, float), "top_p": (int, float), "min_p": (int, float), "max_tokens": (int, type(None)),
-             "top_k": (int,), "seed": (int, type(None)), "n": (int,), "ignore_eos": (bool,)}
+             "top_k": (int,), "seed": (int, type(None)), "n": (int,), "ignore_eos": (bool,),
+             "stop": (str, list, type(None)), "stop_token_ids": (list, type(None))}
     for field, types in kinds.items():
-        value = body.get(field, 0 if field != "ignore_eos" else False)
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        value = body.get(field)
+        if field in body and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
             raise HTTPError(400, f"{field} = {value!r}: must be of type {' or '.join(t.__name__ for t in types)}", field)
     try:
         return SamplingParams(**{field: body[field] for field in SAMPLING_FIELDS & set(body)})
@@ -340,14 +373,16 @@ async def read_request(reader) -> tuple[str, str, dict]:
     while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
         name, _, value = line.decode("latin-1").partition(":")
         headers[name.strip().lower()] = value.strip()
-    length = int(headers.get("content-length", 0) or 0)
-    if length > MAX_BODY_BYTES:
+    length = headers.get("content-length", "0") or "0"
+    if not length.isdigit():
+        raise HTTPError(400, f"Content-Length {length!r} is not a byte count")
+    if int(length) > MAX_BODY_BYTES:
         raise HTTPError(413, f"body of {length} bytes; the limit is {MAX_BODY_BYTES}")
-    if not length:
+    if not int(length):
         return method, path, {}
     try:
-        body = json.loads(await reader.readexactly(length))
-    except json.JSONDecodeError as error:
+        body = json.loads(await reader.readexactly(int(length)))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise HTTPError(400, f"the body is not JSON: {error}") from None
     if not isinstance(body, dict):
         raise HTTPError(400, "the body must be a JSON object")
@@ -378,7 +413,8 @@ class BackgroundServer:
         self._ready.set()
         self._loop.run_forever()
         server.close()
-        pending = asyncio.all_tasks(self._loop)  # the engine loop, and any request still being served
+        self._loop.run_until_complete(self.openai.engine.shutdown())
+        pending = asyncio.all_tasks(self._loop)  # any request still being served
         for task in pending:
             task.cancel()
         self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))

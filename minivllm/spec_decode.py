@@ -57,8 +57,12 @@ class NgramProposer:
                     return token_ids[start + n:start + n + k]
         return []
 
-    def propose(self, requests, budgets: list[int], generators) -> list[tuple[list[int], None]]:
-        return [(self.lookup(r.all_token_ids, k), None) for r, k in zip(requests, budgets)]
+    def propose(self, requests, budgets: list[int], generators, reserve) -> list[tuple[list[int], None]]:
+        proposals = []
+        for request, k in zip(requests, budgets):
+            found = self.lookup(request.all_token_ids, k)
+            proposals.append((found[:reserve(request, len(found))] if found else [], None))
+        return proposals
 
     def forget(self, request) -> None:
         pass
@@ -82,21 +86,21 @@ class DraftModelProposer:
         self.num_computed: dict[object, int] = {}  # request -> its leading tokens in the draft's cache
 
     def forget(self, request) -> None:
-        """The request's blocks were freed (preempted or finished): the draft starts again from position 0."""
+        """The request's blocks were freed (preempted, finished or aborted): its draft entries are gone."""
         self.num_computed.pop(request, None)
 
-    def propose(self, requests, budgets: list[int], generators) -> list[tuple[list[int], torch.Tensor | None]]:
-        """Up to budgets[i] draft tokens for requests[i] (whose slots are allocated), and for sampled requests
-        the distributions they were drawn from."""
-        self.num_computed = {r: n for r, n in self.num_computed.items() if r.status == "running"}  # drop finished
+    def propose(self, requests, budgets: list[int], generators, reserve) -> list[tuple[list[int], torch.Tensor | None]]:
+        """Up to budgets[i] draft tokens for requests[i], and for sampled requests the distributions they were
+        drawn from. The draft writes ahead of the target, so it reserves its slots first."""
+        budgets = [reserve(r, k) for r, k in zip(requests, budgets)]
         tokens, probs = [[] for _ in requests], [[] for _ in requests]
         # first catch up on the tokens this draft has not seen: the last step's output, or a whole prompt
-        work = []
-        for r in requests:
+        work, active = [], [i for i, k in enumerate(budgets) if k > 0]
+        for i in active:
+            r = requests[i]
             start = self.num_computed.get(r, 0)
             work.append((r.request_id, r.all_token_ids[start:], start))
             self.num_computed[r] = r.num_tokens  # its draft tokens' entries are only trusted once accepted
-        active = list(range(len(requests)))
         self.target_kv_cache.copy_blocks(self.kv_manager.pending_copies)  # copy-on-write: both caches copy
         while active:
             input_ids, positions, metadata = prepare_paged_batch(self.kv_cache, self.kv_manager, work, self.backend)
@@ -120,8 +124,11 @@ class DraftModelProposer:
         return [(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
 
 
+from dataclasses import replace
+
 from minivllm.block_pool import NoFreeBlocksError
 from minivllm.engine import LLMEngine
+from minivllm.kv_cache import kv_bytes_per_token
 from minivllm.loader import DEFAULT_MODEL, load_model
 from minivllm.scheduler import Scheduler
 
@@ -158,7 +165,7 @@ class SpecDecodeEngine(LLMEngine):
 
     scheduler_class = SpecDecodeScheduler
 
-    def __init__(self, model, tokenizer, config, backend, speculative_config: dict):
+    def __init__(self, model, tokenizer, config, backend, speculative_config: dict, share_kv_budget: bool = False):
         options = dict(speculative_config)
         known = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
         if set(options) - known:
@@ -169,17 +176,26 @@ class SpecDecodeEngine(LLMEngine):
         k = options.get("num_speculative_tokens")
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"speculative_config['num_speculative_tokens'] = {k!r}: must be an integer >= 1")
-        super().__init__(model, tokenizer, config, backend)
-        self.num_speculative_tokens = k
         if method == "ngram":
             high = options.get("prompt_lookup_max", options.get("prompt_lookup_min", 5))  # vLLM's defaults
-            self.proposer = NgramProposer(high, options.get("prompt_lookup_min", high))
+            ngram = NgramProposer(high, options.get("prompt_lookup_min", high))
         else:
             weight = model.lm_head.weight
             draft, _ = load_model(options.get("model") or DEFAULT_DRAFT_MODEL, dtype=weight.dtype, device=weight.device)
             if draft.config.vocab_size != model.config.vocab_size:
                 raise ValueError(f"speculative_config['model']: vocabulary of {draft.config.vocab_size} tokens, the "
                                  f"target's has {model.config.vocab_size}; a draft must share the target's tokenizer")
+            if share_kv_budget:  # the blocks were counted for the target alone: make room for the draft's layers
+                target_bytes, draft_bytes = (kv_bytes_per_token(m.config.num_layers, m.config.num_kv_heads,
+                                                                m.config.head_dim, weight.element_size())
+                                             for m in (model, draft))
+                config = replace(config, num_kv_blocks=max(1, config.num_kv_blocks * target_bytes
+                                                               // (target_bytes + draft_bytes)))
+        super().__init__(model, tokenizer, config, backend)
+        self.num_speculative_tokens = k
+        if method == "ngram":
+            self.proposer = ngram
+        else:
             if draft.config.max_model_len < self.config.max_model_len:
                 raise ValueError(f"speculative_config['model']: {draft.config.max_model_len} positions, fewer than "
                                  f"max_model_len = {self.config.max_model_len}")
@@ -227,13 +243,14 @@ class SpecDecodeEngine(LLMEngine):
 
     def step(self):
         outputs = super().step()
-        for request in self.last_schedule.preempted:
+        finished = [r for r, _ in self.last_schedule.scheduled if r.status == "finished"]
+        for request in self.last_schedule.preempted + finished:
             self.proposer.forget(request)  # its blocks are gone, and the draft's entries with them
         self._propose()
         return outputs
 
     def _propose(self) -> None:
-        """Drafts for every running request that is caught up and has none; as many as its slots allow."""
+        """Drafts for every running request that is caught up and has none, as many as its slots allow."""
         requests, budgets = [], []
         for request in self.scheduler.running:
             if request in self.scheduler.spec_token_ids or request.num_computed_tokens != request.num_tokens - 1:
@@ -241,22 +258,35 @@ class SpecDecodeEngine(LLMEngine):
             limit = self._state[request][0].max_new_tokens
             k = min(self.num_speculative_tokens, self.config.max_model_len - request.num_tokens,
                     (limit - len(request.output_token_ids) - 1) if limit is not None else self.num_speculative_tokens)
-            while k > 0:  # the draft and the next verification write positions num_tokens - 1 .. num_tokens - 1 + k
-                try:
-                    self.kv_manager.allocate(request.request_id, request.num_tokens - 1, k + 1)
-                    break
-                except NoFreeBlocksError:
-                    k -= 1
             if k > 0:
                 requests.append(request)
                 budgets.append(k)
         if not requests:
             return
         generators = [self._state[r][1] for r in requests]
-        for request, (tokens, probs) in zip(requests, self.proposer.propose(requests, budgets, generators)):
+        for request, (tokens, probs) in zip(requests, self.proposer.propose(requests, budgets, generators,
+                                                                            self._reserve)):
             if tokens:
                 self.scheduler.spec_token_ids[request] = tokens
                 self.draft_probs[request] = probs
+
+    def _reserve(self, request, k: int) -> int:
+        """Slots for k drafts: positions num_tokens - 1 .. num_tokens - 1 + k, written by the draft and the next
+        verification. Fewer if the blocks are not there; how many it got."""
+        while k > 0:
+            try:
+                self.kv_manager.allocate(request.request_id, request.num_tokens - 1, k + 1)
+                return k
+            except NoFreeBlocksError:
+                k -= 1
+        return 0
+
+    def abort_request(self, request_id: str) -> None:
+        for child in self.groups.get(str(request_id), []):
+            self.scheduler.spec_token_ids.pop(child, None)
+            self.draft_probs.pop(child, None)
+            self.proposer.forget(child)
+        super().abort_request(request_id)
 
     def stats(self) -> dict:
         return super().stats() | {"spec_decode_num_drafts": self.num_drafts,

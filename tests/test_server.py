@@ -80,6 +80,8 @@ def test_stream_with_several_choices_and_usage(llm, client):
             texts[choice.index] += choice.text
     assert texts == [c.text for c in expected.outputs]
     assert chunks[-1].usage.completion_tokens == sum(len(c.token_ids) for c in expected.outputs)
+    finishes = [choice.index for chunk in chunks for choice in chunk.choices if choice.finish_reason]
+    assert sorted(finishes) == [0, 1, 2]  # each choice says it finished exactly once
 
 
 def test_chat_completions(llm, client):
@@ -121,6 +123,10 @@ def test_concurrent_streams_equal_each_request_alone(llm, server):
     ({"prompt": [1, 2, 99999]}, "prompt"),
     ({"prompt": "word " * 3000}, "prompt"),
     ({"prompt": 7}, "prompt"),
+    ({"prompt": "ROMEO:", "stop": 5}, "stop"),
+    ({"prompt": "ROMEO:", "stop_token_ids": 3}, "stop_token_ids"),
+    ({"prompt": "ROMEO:", "seed": 2**64}, "seed"),
+    ({"prompt": "ROMEO:", "stream": True, "stream_options": True}, "stream_options"),
 ])
 def test_bad_completion_requests_are_400_naming_the_field(server, payload, param):
     status, body = post(server, "/v1/completions", payload)
@@ -130,9 +136,18 @@ def test_bad_completion_requests_are_400_naming_the_field(server, payload, param
     assert status == 200 and body["usage"]["completion_tokens"] == 3  # the server keeps serving
 
 
+def raw_status(server, request: bytes) -> int:
+    with socket.create_connection((server.host, server.port)) as sock:
+        sock.sendall(request)
+        return int(sock.recv(64).split()[1])
+
+
 def test_protocol_errors(server, client):
     assert post(server, "/v1/nothing", {})[0] == 404
     assert post(server, "/v1/completions", None, raw=b"{not json")[0] == 400
+    assert post(server, "/v1/completions", None, raw=b'{"prompt": "\xff\xfe"}')[0] == 400
+    assert raw_status(server, b"POST /v1/completions HTTP/1.1\r\nContent-Length: abc\r\n\r\n") == 400
+    assert raw_status(server, b"POST /v1/completions HTTP/1.1\r\nContent-Length: -1\r\n\r\n") == 400
     assert post(server, "/v1/chat/completions", {"messages": "hello"})[1]["error"]["param"] == "messages"
     assert get(server, "/v1/completions")[0] == 405
     with pytest.raises(NotFoundError):
@@ -232,3 +247,53 @@ def test_an_engine_failure_is_a_500_and_the_server_keeps_serving(llm, server, mo
     status, body = post(server, "/v1/completions", {"prompt": "ROMEO:", "max_tokens": 5})
     assert status == 200 and body["usage"]["completion_tokens"] == 5
     assert not llm.engine.has_unfinished_requests() and llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+
+
+def test_a_request_the_engine_cannot_add_fails_alone(llm, server, monkeypatch):
+    real_add, calls = llm.engine.add_request, []
+
+    def failing_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("simulated add_request failure")
+        return real_add(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine, "add_request", failing_once)
+    status, body = post(server, "/v1/completions", {"prompt": "ROMEO:", "max_tokens": 5})
+    assert status == 500 and "simulated add_request failure" in body["error"]["message"]
+    assert post(server, "/v1/completions", {"prompt": "ROMEO:", "max_tokens": 5})[0] == 200
+
+
+def test_a_server_with_speculative_decoding():
+    spec_llm = LLM(num_kv_blocks=256, speculative_config={"model": None, "num_speculative_tokens": 3})
+    plain = LLM(num_kv_blocks=256)
+    options = dict(temperature=0, max_tokens=40, stop=["\n\n"])
+    with BackgroundServer(spec_llm) as spec_server:
+        client = OpenAI(base_url=spec_server.url + "/v1", api_key="unused", max_retries=0)
+        for prompt in PROMPTS:
+            [expected] = plain.generate(prompt, SamplingParams(**options), use_tqdm=False)
+            chunks = list(client.completions.create(model="minivllm", prompt=prompt, stream=True, **options))
+            assert "".join(c.choices[0].text for c in chunks) == expected.outputs[0].text
+        assert spec_llm.stats()["spec_decode_num_accepted_tokens"] > 0
+        body = json.dumps({"prompt": CORPUS[:300], "max_tokens": 1000, "ignore_eos": True, "stream": True}).encode()
+        with socket.create_connection((spec_server.host, spec_server.port)) as sock:  # hang up mid-stream
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            sock.recv(4096)
+        deadline = time.time() + 30
+        while spec_llm.engine.has_unfinished_requests() and time.time() < deadline:
+            time.sleep(0.05)
+    engine = spec_llm.engine
+    assert not engine.has_unfinished_requests() and engine.kv_manager.pool.num_free == engine.kv_cache.num_blocks
+    assert not engine.scheduler.spec_token_ids and not engine.draft_probs and not engine.proposer.num_computed
+
+
+def test_stopping_the_server_aborts_what_runs():
+    local = LLM(num_kv_blocks=128)
+    server = BackgroundServer(local).start()
+    body = json.dumps({"prompt": "ROMEO:", "max_tokens": 1500, "ignore_eos": True, "stream": True}).encode()
+    with socket.create_connection((server.host, server.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        sock.recv(4096)
+        server.stop()
+    assert not local.engine.has_unfinished_requests() and not local.engine.groups
+    assert local.stats()["kv_blocks_free"] == 128

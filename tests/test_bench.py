@@ -1,0 +1,36 @@
+"""`make bench` at toy sizes: every benchmark command still runs end to end and writes its JSON.
+(Benchmarks measure; these tests only keep them from rotting. No timing is asserted.)"""
+
+import json
+
+from minivllm import bench
+
+
+def run(tmp_path, *argv) -> dict:
+    assert bench.main([*argv, "--out", str(tmp_path)]) == 0
+    [path] = tmp_path.glob(f"{argv[0]}-*.json")
+    return json.loads(path.read_text())
+
+
+def test_engine_and_compare(tmp_path):
+    small = ["--num-prompts", "3", "--min-prompt", "4", "--max-prompt", "12", "--output-len", "4"]
+    engine = run(tmp_path / "engine", "engine", *small)
+    assert engine["minivllm"]["output_tokens"] == 12
+    compare = run(tmp_path / "compare", "compare", *small, "--hf-batch-size", "2")
+    for name, result in compare["runs"].items():
+        assert "error" in result or result["greedy_tokens_match_minivllm"], name
+    assert "output_tokens_per_s" in compare["runs"]["transformers_generate_static"]
+
+
+def test_spec(tmp_path):
+    result = run(tmp_path, "spec", "--num-prompts", "2", "--output-len", "12", "--ks", "2", "--batch-sizes", "2")
+    rows = result["results"]["batch_2"]
+    assert [(r["method"], r["k"]) for r in rows] == [(None, 0), ("draft_model", 2), ("ngram", 2)]
+    assert all(r["outputs_identical"] and 1 <= r["mean_acceptance_length"] <= 3 for r in rows[1:])
+
+
+def test_serve(tmp_path):
+    result = run(tmp_path, "serve", "--num-prompts", "3", "--min-prompt", "4", "--max-prompt", "12",
+                 "--output-len", "4", "--request-rates", "inf")
+    summary = result["by_request_rate"]["inf"]
+    assert summary["output_tokens_per_s"] > 0 and summary["ttft_p50_ms"] <= summary["ttft_p99_ms"]

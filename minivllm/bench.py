@@ -54,9 +54,9 @@ def workload(num_prompts: int, min_prompt: int, max_prompt: int, seed: int = 0) 
 
 
 def percentiles(values: list[float]) -> dict:
-    values = sorted(values)
-    pick = lambda q: values[min(len(values) - 1, int(q * len(values)))]
-    return {"mean": statistics.fmean(values), "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
+    from minivllm.loadgen import percentile
+
+    return {"mean": statistics.fmean(values), **{f"p{q}": percentile(values, q) for q in (50, 90, 99)}}
 
 
 def run_minivllm(model_dir, prompts, output_len, **engine_args) -> dict:

@@ -4,6 +4,7 @@ import torch
 from tqdm.auto import tqdm
 
 from minivllm.engine import EngineConfig, LLMEngine, RequestOutput
+from minivllm.kv_cache import kv_bytes_per_token
 from minivllm.loader import load_model
 from minivllm.sampling import SamplingParams
 
@@ -89,7 +90,8 @@ class LLM:
 def kv_blocks_for(model, block_size: int, memory_bytes: int | None) -> int:
     """As many blocks as fit in `memory_bytes`: by default 512 MiB on a CPU, 90% of what is free on a GPU."""
     config, weight = model.config, model.lm_head.weight
-    per_block = 2 * config.num_layers * config.num_kv_heads * config.head_dim * weight.element_size() * block_size
+    per_block = kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, weight.element_size()) \
+        * block_size
     if memory_bytes is None:
         memory_bytes = int(0.9 * torch.cuda.mem_get_info()[0]) if weight.is_cuda else CPU_KV_CACHE_BYTES
     return max(1, memory_bytes // per_block)

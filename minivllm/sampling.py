@@ -26,25 +26,35 @@ class SamplingParams:
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
-        self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        checks = [
-            ("n", self.n, isinstance(self.n, int) and self.n >= 1, "an integer >= 1"),
-            ("temperature", self.temperature, self.temperature >= 0, ">= 0"),
-            ("top_p", self.top_p, 0 < self.top_p <= 1, "in (0, 1]"),
-            ("top_k", self.top_k, isinstance(self.top_k, int) and self.top_k >= -1, "-1, 0 (all) or a positive integer"),
-            ("min_p", self.min_p, 0 <= self.min_p <= 1, "in [0, 1]"),
-            ("seed", self.seed, self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+        def number(x):  # a JSON or Python number; bool is an int to Python, but not a sampling parameter
+            return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+        def integer(x):
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        stop_ok = self.stop is None or (isinstance(self.stop, str) and self.stop) or (
+            isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s for s in self.stop))
+        ids_ok = self.stop_token_ids is None or (
+            isinstance(self.stop_token_ids, (list, tuple)) and all(integer(t) and t >= 0 for t in self.stop_token_ids))
+        checks = [  # each condition checks the type first, so a wrong type is refused like a wrong value
+            ("n", self.n, integer(self.n) and self.n >= 1, "an integer >= 1"),
+            ("temperature", self.temperature, number(self.temperature) and self.temperature >= 0, ">= 0"),
+            ("top_p", self.top_p, number(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", self.top_k, integer(self.top_k) and self.top_k >= -1, "-1, 0 (all) or a positive integer"),
+            ("min_p", self.min_p, number(self.min_p) and 0 <= self.min_p <= 1, "in [0, 1]"),
+            ("seed", self.seed, self.seed is None or (integer(self.seed) and 0 <= self.seed < 2**63),
              "None or an integer in [0, 2**63)"),
-            ("max_tokens", self.max_tokens, self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            ("max_tokens", self.max_tokens, self.max_tokens is None or (integer(self.max_tokens) and self.max_tokens >= 1),
              "None or an integer >= 1"),
-            ("stop", self.stop, all(isinstance(s, str) and s for s in self.stop_strings), "non-empty strings"),
-            ("stop_token_ids", self.stop_token_ids, all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-             "non-negative integers"),
-        ]
+            ("stop", self.stop, stop_ok, "non-empty strings"),
+            ("stop_token_ids", self.stop_token_ids, ids_ok, "non-negative integers"),
+        ] + [(name, getattr(self, name), isinstance(getattr(self, name), bool), "True or False")
+             for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")]
         for name, value, ok, expected in checks:
             if not ok:
                 raise ValueError(f"SamplingParams.{name} = {value!r}: must be {expected}")
+        self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
 
     @property
     def greedy(self) -> bool:

@@ -201,11 +201,11 @@ class SpecDecodeEngine(LLMEngine):
                                  f"max_model_len = {self.config.max_model_len}")
             self.proposer = DraftModelProposer(draft, self.kv_cache, self.kv_manager, backend)
         self.draft_probs: dict[object, torch.Tensor | None] = {}
-        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.num_drafts = self.num_draft_tokens = 0
         self.num_accepted_tokens_per_pos = [0] * k
 
     def _tokens_to_run(self, request, n: int) -> list[int]:
-        known = request.all_token_ids[request.num_computed_tokens:request.num_computed_tokens + n]
+        known = super()._tokens_to_run(request, n)
         return known + self.scheduler.spec_token_ids.get(request, [])[:n - len(known)]
 
     def _new_tokens(self, schedule, hidden, query_start_loc):
@@ -236,7 +236,6 @@ class SpecDecodeEngine(LLMEngine):
                 accepted = len(new_tokens[request]) - 1
                 self.num_drafts += 1
                 self.num_draft_tokens += len(drafts)
-                self.num_accepted_tokens += accepted
                 for position in range(accepted):
                     self.num_accepted_tokens_per_pos[position] += 1
         return new_tokens
@@ -287,6 +286,10 @@ class SpecDecodeEngine(LLMEngine):
             self.draft_probs.pop(child, None)
             self.proposer.forget(child)
         super().abort_request(request_id)
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return sum(self.num_accepted_tokens_per_pos)
 
     def stats(self) -> dict:
         return super().stats() | {"spec_decode_num_drafts": self.num_drafts,

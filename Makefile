@@ -9,11 +9,11 @@ install:
 
 ## make book: execute every notebook in book order, then render the HTML book into book/_build/html
 book: install
-	$(PY) -m minivllm.notebook_tools book
+	$(PY) minivllm/tools/notebooks.py book
 
 ## make test: package tests, strict nbval on every notebook and solution, and the export-sync check
 test: install
-	$(PY) -m minivllm.notebook_tools check-export
+	$(PY) minivllm/tools/notebooks.py check-export
 	TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 $(PY) -m pytest -p no:cacheprovider tests notebooks $(NBVAL)
 
 ## make lab: JupyterLab on the notebooks
@@ -22,23 +22,23 @@ lab: install
 
 ## make export: notebooks -> package (the `# export: minivllm/<module>.py` cells)
 export: install
-	$(PY) -m minivllm.notebook_tools export
+	$(PY) minivllm/tools/notebooks.py export
 
 ## make clean-notebooks: strip execution counts and volatile metadata, keep outputs
 clean-notebooks: install
-	$(PY) -m minivllm.notebook_tools clean
+	$(PY) minivllm/tools/notebooks.py clean
 
 ## make notebooks: re-execute every notebook in place (after changing engine code), then clean them
 notebooks: install
-	$(PY) -m minivllm.notebook_tools execute --inplace
+	$(PY) minivllm/tools/notebooks.py execute --inplace
 
 ## make bench: minivllm against transformers (generate, generate_batch) on the same requests, speculative
 ## decoding (chapter 9) and the server under Poisson load (chapter 10); JSON in bench/results
 bench: install
-	$(PY) -m minivllm.bench compare --out bench/results
-	$(PY) -m minivllm.bench spec --num-prompts 16 --output-len 256 --out bench/results
-	$(PY) -m minivllm.bench serve --num-prompts 32 --output-len 128 --out bench/results
+	$(PY) -m minivllm.tools.bench compare --out bench/results
+	$(PY) -m minivllm.tools.bench spec --num-prompts 16 --output-len 256 --out bench/results
+	$(PY) -m minivllm.tools.bench serve --num-prompts 32 --output-len 128 --out bench/results
 
 ## make gpu-check: on a CUDA machine, chapter 8's kernel tests compiled and their benchmarks -> bench/gpu/
 gpu-check: install
-	$(PY) -m minivllm.gpu_check
+	$(PY) -m minivllm.tools.gpu_check

@@ -7,13 +7,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minivllm.batching import generate_static_batch
+from minivllm.book.static_batching import generate_static_batch
 from minivllm.config import ModelConfig
-from minivllm.kv_cache import generate_cached
-from minivllm.loader import load_weights
-from minivllm.sampling import SamplingParams
-from minivllm.workload import (RESERVATIONS, Request, chat_workload, contiguous_timeline, first_fit, memory_shares,
-                               reserve_pow2)
+from minivllm.book.contiguous_cache import generate_cached
+from minivllm.model.loader import load_weights
+from minivllm.sampling_params import SamplingParams
+from minivllm.book.workloads import RESERVATIONS, chat_workload, contiguous_timeline, first_fit, memory_shares, reserve_pow2
+from minivllm.book.workloads import WorkloadRequest
 
 
 def load(folder):
@@ -82,7 +82,7 @@ def test_first_fit_takes_the_lowest_gap_that_holds_the_request():
     assert first_fit([(2, 50)], 3, 60) == 50
 
 
-requests_strategy = st.lists(st.builds(Request, st.integers(1, 60), st.integers(1, 70)), min_size=1, max_size=25)
+requests_strategy = st.lists(st.builds(WorkloadRequest, st.integers(1, 60), st.integers(1, 70)), min_size=1, max_size=25)
 
 
 @settings(max_examples=60, deadline=None)
@@ -105,7 +105,7 @@ def test_every_snapshot_accounts_for_the_whole_budget(requests, extra_budget):
 
 
 @settings(max_examples=100, deadline=None)
-@given(request=st.builds(Request, st.integers(1, 1000), st.integers(1, 1000)))
+@given(request=st.builds(WorkloadRequest, st.integers(1, 1000), st.integers(1, 1000)))
 def test_pow2_reserves_less_than_twice_the_output(request):
     reserved = reserve_pow2(request, 2048)
     assert request.total_len <= reserved < request.prompt_len + 2 * request.output_len or reserved == 2048
@@ -124,10 +124,10 @@ def test_tighter_reservation_runs_more_requests_at_once():
 
 def test_timeline_refuses_what_cannot_be_served():
     with pytest.raises(ValueError, match="budget"):
-        list(contiguous_timeline([Request(5, 5)], 0, RESERVATIONS["oracle"], 64))
+        list(contiguous_timeline([WorkloadRequest(5, 5)], 0, RESERVATIONS["oracle"], 64))
     with pytest.raises(ValueError, match=r"requests\[1\]: reserves 60 slots"):
-        list(contiguous_timeline([Request(5, 5), Request(30, 30)], 32, RESERVATIONS["oracle"], 64))
+        list(contiguous_timeline([WorkloadRequest(5, 5), WorkloadRequest(30, 30)], 32, RESERVATIONS["oracle"], 64))
     with pytest.raises(ValueError, match=r"requests\[0\]"):
-        list(contiguous_timeline([Request(60, 10)], 100, RESERVATIONS["oracle"], 64))
+        list(contiguous_timeline([WorkloadRequest(60, 10)], 100, RESERVATIONS["oracle"], 64))
     with pytest.raises(ValueError, match="snapshots is empty"):
         memory_shares([], 10)

@@ -3,7 +3,7 @@
 
 import json
 
-from minivllm import bench
+from minivllm.tools import bench
 
 
 def run(tmp_path, *argv) -> dict:

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from minivllm.loader import DEFAULT_MODEL
+from minivllm.model.loader import DEFAULT_MODEL
 
 DRAFT_MODEL = DEFAULT_MODEL.parent / "tiny-shakespeare-draft"
 
@@ -20,7 +20,7 @@ def test_transformers_loads_the_same_folder_with_the_same_logits(folder):
     from transformers import AutoModelForCausalLM
 
     from minivllm import load_model
-    from minivllm.attention import NoCacheAttention
+    from minivllm.attention.base import NoCacheAttention
 
     model, tokenizer = load_model(folder)
     ids = tokenizer("KING RICHARD III:\nNow is the winter of our discontent").input_ids

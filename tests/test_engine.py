@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from minivllm.config import ModelConfig
-from minivllm.engine import EngineConfig, LLMEngine
-from minivllm.loader import load_weights
-from minivllm.sampling import SamplingParams
+from minivllm.config import EngineConfig
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.model.loader import load_weights
+from minivllm.sampling_params import SamplingParams
 
 
 def load(folder):
@@ -119,7 +120,7 @@ def test_bad_input_is_refused_at_submission_and_others_keep_going(checkpoints):
             engine.add_request(request_id, ids, params)
     with pytest.raises(TypeError, match="SamplingParams"):
         engine.add_request("d", [5], {"temperature": 0})
-    assert set(engine.groups) == {"good"}
+    assert set(engine.output_processor.parents) == {"good"}
     finished = run(engine)
     assert len(finished["good"].outputs[0].token_ids) == 10
     assert engine.kv_manager.pool.num_free == 64

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from minivllm.generate import StopChecker, generate_recompute
-from minivllm.sampling import SamplingParams
+from minivllm.book.recompute import generate_recompute
+from minivllm.core.stop_checker import StopChecker
+from minivllm.sampling_params import SamplingParams
 
 
 class CharTokenizer:
@@ -70,7 +71,7 @@ def test_bad_input_is_refused_before_any_work(tiny):
 def test_embedded_model_greedy_matches_transformers(tiny):
     from transformers import AutoModelForCausalLM
 
-    from minivllm.loader import DEFAULT_MODEL
+    from minivllm.model.loader import DEFAULT_MODEL
 
     model, tokenizer = tiny
     hf_model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()

@@ -5,12 +5,13 @@ import json
 import pytest
 import torch
 
-from minivllm.attention import NoCacheAttention
+from minivllm.attention.base import NoCacheAttention
 from minivllm.config import ModelConfig
-from minivllm.generate import generate_recompute
-from minivllm.kv_cache import ContiguousCacheAttention, ContiguousKVCache, generate_cached, kv_bytes_per_token
-from minivllm.loader import load_weights
-from minivllm.sampling import SamplingParams
+from minivllm.book.recompute import generate_recompute
+from minivllm.book.contiguous_cache import ContiguousCacheAttention, ContiguousKVCache, generate_cached
+from minivllm.config import kv_bytes_per_token
+from minivllm.model.loader import load_weights
+from minivllm.sampling_params import SamplingParams
 from tests.conftest import FAMILIES
 
 

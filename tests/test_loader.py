@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from minivllm.config import ModelConfig
-from minivllm.loader import load_model, load_weights, resolve_dtype, weight_files
+from minivllm.model.loader import load_model, load_weights, resolve_dtype, weight_files
 from tests.conftest import save_random_checkpoint
 
 

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from minivllm.attention import NoCacheAttention
+from minivllm.attention.base import NoCacheAttention
 from minivllm.config import ModelConfig
-from minivllm.loader import load_weights
+from minivllm.model.loader import load_weights
 from tests.conftest import FAMILIES
 
 
@@ -51,8 +51,8 @@ def test_packed_batch_matches_each_sequence_alone(checkpoints, family):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_greedy_64_tokens_identical(checkpoints, family):
-    from minivllm.generate import generate_recompute
-    from minivllm.sampling import SamplingParams
+    from minivllm.book.recompute import generate_recompute
+    from minivllm.sampling_params import SamplingParams
 
     folder, hf_model = checkpoints[family]
     model = load(folder)

@@ -4,7 +4,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
-from minivllm import notebook_tools
+from minivllm.tools import notebooks as notebook_tools
 
 
 def write_notebook(path, *cells):

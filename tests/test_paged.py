@@ -7,14 +7,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minivllm.attention import NoCacheAttention
-from minivllm.block_pool import BlockPool, NoFreeBlocksError
+from minivllm.attention.base import NoCacheAttention
+from minivllm.core.block_pool import BlockPool, NoFreeBlocksError
 from minivllm.config import ModelConfig
-from minivllm.generate import generate_recompute
-from minivllm.loader import load_weights
-from minivllm.paged import KVCacheManager
-from minivllm.paged_generate import StaticPagedGenerator
-from minivllm.sampling import SamplingParams
+from minivllm.book.recompute import generate_recompute
+from minivllm.model.loader import load_weights
+from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.book.static_paged import StaticPagedGenerator
+from minivllm.sampling_params import SamplingParams
 from tests.conftest import FAMILIES
 
 # ------------------------------------------------------------------ the block pool, property-based
@@ -192,8 +192,8 @@ def test_bad_prompts_are_refused_before_any_work(checkpoints):
 
 
 def test_paged_timeline_keeps_waste_below_one_block_per_running_request():
-    from minivllm.paged_workload import paged_timeline
-    from minivllm.workload import chat_workload, memory_shares
+    from minivllm.book.workloads import paged_timeline
+    from minivllm.book.workloads import chat_workload, memory_shares
 
     requests = chat_workload(300, seed=1, max_model_len=2048)
     budget = 16_000
@@ -209,8 +209,8 @@ def test_paged_timeline_keeps_waste_below_one_block_per_running_request():
 
 
 def test_paged_timeline_refuses_a_request_that_can_never_fit():
-    from minivllm.paged_workload import paged_timeline
-    from minivllm.workload import Request
+    from minivllm.book.workloads import paged_timeline
+    from minivllm.book.workloads import WorkloadRequest
 
     with pytest.raises(ValueError, match=r"requests\[1\]"):
-        list(paged_timeline([Request(10, 10), Request(100, 100)], budget=64, block_size=16))
+        list(paged_timeline([WorkloadRequest(10, 10), WorkloadRequest(100, 100)], budget=64, block_size=16))

@@ -9,10 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minivllm.config import ModelConfig
-from minivllm.engine import EngineConfig, LLMEngine
-from minivllm.loader import load_weights
-from minivllm.prefix_cache import SEED_HASH, PrefixCachingBlockPool, block_hashes, explain_cache, hash_block
-from minivllm.sampling import SamplingParams
+from minivllm.config import EngineConfig
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.model.loader import load_weights
+from minivllm.book.cache_autopsy import explain_cache
+from minivllm.core.block_pool import PrefixCachingBlockPool
+from minivllm.core.kv_cache_utils import SEED_HASH, block_hashes, hash_block
+from minivllm.sampling_params import SamplingParams
 
 
 def test_hash_chain_is_sha256_of_parent_tokens_and_extra_keys():

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from minivllm.sampling import SamplingParams, sample_token, sampling_probs
+from minivllm.engine.sampler import sample_token, sampling_probs
+from minivllm.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("field, value", [

@@ -15,9 +15,9 @@ import pytest
 from openai import BadRequestError, NotFoundError, OpenAI
 
 from minivllm import LLM, SamplingParams
-from minivllm.loadgen import RequestTiming, percentile, run_load, summarize
-from minivllm.server import BackgroundServer, sendable_text
-from minivllm.texts import CORPUS
+from minivllm.tools.loadgen import RequestTiming, percentile, run_load, summarize
+from minivllm.entrypoints.openai_server import BackgroundServer, sendable_text
+from minivllm.book.texts import CORPUS
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +175,7 @@ def test_a_client_that_hangs_up_is_aborted_and_its_blocks_freed(llm, server):
     while (llm.engine.has_unfinished_requests() or llm.stats()["kv_blocks_free"] != free) and time.time() < deadline:
         time.sleep(0.05)
     assert not llm.engine.has_unfinished_requests() and llm.stats()["kv_blocks_free"] == free
-    assert not llm.engine.groups  # released, not leaked
+    assert not llm.engine.output_processor.parents  # released, not leaked
 
 
 def test_metrics_and_health(server):
@@ -284,7 +284,7 @@ def test_a_server_with_speculative_decoding():
             time.sleep(0.05)
     engine = spec_llm.engine
     assert not engine.has_unfinished_requests() and engine.kv_manager.pool.num_free == engine.kv_cache.num_blocks
-    assert not engine.scheduler.spec_token_ids and not engine.draft_probs and not engine.proposer.num_computed
+    assert not engine.scheduler.running and not engine.scheduler.waiting and not engine.output_processor.parents
 
 
 def test_stopping_the_server_aborts_what_runs():
@@ -295,5 +295,5 @@ def test_stopping_the_server_aborts_what_runs():
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
         sock.recv(4096)
         server.stop()
-    assert not local.engine.has_unfinished_requests() and not local.engine.groups
+    assert not local.engine.has_unfinished_requests() and not local.engine.output_processor.parents
     assert local.stats()["kv_blocks_free"] == 128

@@ -4,10 +4,12 @@ sampled outputs follow the target's distribution, and every block comes back."""
 import pytest
 import torch
 
-from minivllm.engine import EngineConfig
+from minivllm.config import EngineConfig
 from minivllm.exercises.ch09 import chi_square_p_value
-from minivllm.sampling import SamplingParams
-from minivllm.spec_decode import NgramProposer, SpecDecodeEngine, verify_greedy, verify_sampled
+from minivllm.sampling_params import SamplingParams
+from minivllm.spec_decode.engine import SpecDecodeEngine
+from minivllm.spec_decode.ngram_proposer import NgramProposer
+from minivllm.spec_decode.rejection_sampler import verify_greedy, verify_sampled
 from tests.conftest import save_random_checkpoint
 from tests.test_engine import load, prompts_of, run
 
@@ -95,21 +97,29 @@ def test_greedy_under_pressure_equals_transformers(checkpoints, tmp_path, spec, 
         engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     finished = run(engine)
     assert engine.scheduler.num_preemptions > 0, "the test should preempt"
-    assert engine.num_draft_tokens > 0
+    assert engine.stats()["spec_decode_num_draft_tokens"] > 0
     if spec == "draft=target":
-        assert engine.num_accepted_tokens == engine.num_draft_tokens
+        assert engine.stats()["spec_decode_num_accepted_tokens"] == engine.stats()["spec_decode_num_draft_tokens"]
     elif spec == "ngram":  # the random model loops on the repeated phrases, and the lookup finds them
-        assert engine.num_accepted_tokens > 0
+        assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
     else:
-        assert engine.num_accepted_tokens < engine.num_draft_tokens
+        assert engine.stats()["spec_decode_num_accepted_tokens"] < engine.stats()["spec_decode_num_draft_tokens"]
     for i, (prompt, n) in enumerate(zip(prompts, lengths)):
         assert finished[str(i)].outputs[0].token_ids == transformers_greedy(hf_model, prompt, n), f"request {i}"
         assert finished[str(i)].outputs[0].finish_reason == "length"
-    assert engine.kv_manager.pool.num_free == 32 and not engine.scheduler.spec_token_ids and not engine.draft_probs
+    assert engine.kv_manager.pool.num_free == 32 and no_speculation_left(engine)
+
+
+def no_speculation_left(engine) -> bool:
+    """Every request the engine still knows, finished or aborted, holds no drafts, draft distributions or draft
+    cache entries."""
+    requests = [r for children in engine.output_processor.parents.values() for r in children]
+    assert requests, "the engine should still hold the finished requests"
+    return all(not r.spec_token_ids and r.draft_probs is None and r.num_draft_computed_tokens == 0 for r in requests)
 
 
 def _backend():
-    from minivllm.paged import PagedAttention
+    from minivllm.attention.paged import PagedAttention
 
     return PagedAttention
 
@@ -126,7 +136,7 @@ def test_sampling_with_top_k_1_is_greedy(checkpoints, method):
         engine.add_request(str(i), prompt, SamplingParams(temperature=1.0, top_k=1, seed=i, max_tokens=20,
                                                           ignore_eos=True))
     finished = run(engine)
-    assert engine.num_accepted_tokens > 0
+    assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
     for i, prompt in enumerate(prompts):
         assert finished[str(i)].outputs[0].token_ids == transformers_greedy(hf_model, prompt, 20)
 
@@ -148,8 +158,8 @@ def test_sampled_tokens_follow_the_target_distribution(tmp_path, method):
     fourth = torch.zeros(vocab)
     for completion in run(engine)["r"].outputs:
         fourth[completion.token_ids[3]] += 1
-    assert engine.num_draft_tokens > engine.num_drafts > 0  # rounds of two drafts
-    assert engine.num_accepted_tokens_per_pos[1] > 0  # some rounds accepted both
+    assert engine.stats()["spec_decode_num_draft_tokens"] > engine.stats()["spec_decode_num_drafts"] > 0  # rounds of two drafts
+    assert engine.stats()["spec_decode_num_accepted_tokens_per_pos"][1] > 0  # some rounds accepted both
     with torch.no_grad():  # P(t4) = sum over t1, t2, t3 of p(t1) p(t2 | t1) p(t3 | t1, t2) p(t4 | t1, t2, t3)
         exact = torch.zeros(vocab)
         prefixes, weights = [list(prompt)], torch.ones(1)
@@ -174,14 +184,14 @@ def test_abort_and_max_model_len_with_drafts_in_flight(checkpoints):
     engine.add_request("aborted", prompts_of([9])[0], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
     engine.step()
     engine.step()
-    assert engine.scheduler.spec_token_ids, "drafts should be in flight"
+    assert any(r.spec_token_ids for r in engine.scheduler.running), "drafts should be in flight"
     engine.abort_request("aborted")
     finished = run(engine)
     out = finished["long"].outputs[0]
     assert len(prompt) + len(out.token_ids) == 40 and out.finish_reason == "length"  # drafts never pass the limit
     assert out.token_ids == transformers_greedy(hf_model, prompt, 10)
     assert engine.kv_manager.pool.num_free == 32
-    assert not engine.scheduler.spec_token_ids and not engine.draft_probs and not engine.proposer.num_computed
+    assert no_speculation_left(engine)
 
 
 def test_bad_speculative_config_is_refused_naming_the_field(checkpoints, tmp_path):
@@ -203,7 +213,7 @@ def test_bad_speculative_config_is_refused_naming_the_field(checkpoints, tmp_pat
 
 def test_llm_api_with_the_embedded_draft_model():
     from minivllm import LLM
-    from minivllm.texts import CORPUS
+    from minivllm.book.texts import CORPUS
 
     prompts = [CORPUS[:200], CORPUS[1000:1100], "ROMEO:"]
     params = SamplingParams(temperature=0, max_tokens=40)

@@ -14,16 +14,22 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from minivllm.triton_attention import TRITON_INTERPRETED, attention_backend_class, triton_available
+from minivllm.kernels.interpreter import triton_available, use_interpreter_without_gpu
 
+# the interpreter is switched on explicitly, before triton is imported (importing minivllm changes nothing)
+INTERPRETED = not torch.cuda.is_available() and use_interpreter_without_gpu()
 triton = pytest.importorskip("triton")
 
-from minivllm.block_pool import BlockPool  # noqa: E402
+from minivllm.attention.selector import attention_backend_class  # noqa: E402
+
+from minivllm.core.block_pool import BlockPool  # noqa: E402
 from minivllm.config import ModelConfig  # noqa: E402
-from minivllm.loader import load_weights  # noqa: E402
-from minivllm.paged import KVCacheManager, PagedAttention, PagedKVCache, prepare_paged_batch  # noqa: E402
-from minivllm.triton_attention import TritonPagedAttention  # noqa: E402
-from minivllm.triton_kernels import paged_decode_attention, paged_prefill_attention  # noqa: E402
+from minivllm.model.loader import load_weights  # noqa: E402
+from minivllm.attention.paged import PagedAttention, PagedKVCache
+from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.engine.model_runner import prepare_paged_batch  # noqa: E402
+from minivllm.attention.triton_backend import TritonPagedAttention  # noqa: E402
+from minivllm.kernels.paged_attention import paged_decode_attention, paged_prefill_attention  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
@@ -190,12 +196,12 @@ def test_backend_choice():
     assert attention_backend_class("auto", DEVICE) is expected_auto
     with pytest.raises(ValueError, match="attention_backend"):
         attention_backend_class("flash", DEVICE)
-    assert triton_available() and TRITON_INTERPRETED == (DEVICE.type == "cpu")
+    assert triton_available() and INTERPRETED == (DEVICE.type == "cpu")
 
 
 def test_without_triton_the_package_imports_and_falls_back_to_the_reference():
     code = ("import sys; sys.modules['triton'] = None\n"
-            "import minivllm.triton_attention as t, torch\n"
+            "import minivllm.attention.selector as t, torch\n"
             "print(t.triton_available(), t.attention_backend_class('auto', torch.device('cpu')).__name__)\n"
             "try:\n    t.attention_backend_class('triton', torch.device('cpu'))\n"
             "except ImportError as e:\n    print('ImportError', 'pip install triton' in str(e))\n")
@@ -252,14 +258,14 @@ def test_engine_greedy_outputs_identical_on_both_backends(checkpoints, family):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
 def test_gpu_check_refuses_clearly_without_cuda(capsys):
-    from minivllm import gpu_check
+    from minivllm.tools import gpu_check
 
     assert gpu_check.main([]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
 def test_gpu_check_smoke_run_writes_results_and_figures(tmp_path):
-    from minivllm import gpu_check
+    from minivllm.tools import gpu_check
 
     assert gpu_check.main(["--smoke", "--out", str(tmp_path)]) == 0
     [results_file] = tmp_path.glob("*.json")
@@ -274,7 +280,7 @@ def test_gpu_check_smoke_run_writes_results_and_figures(tmp_path):
 
 def test_the_engine_runs_on_chapter_8s_triton_backend(checkpoints):
     from minivllm import LLM
-    from minivllm.sampling import SamplingParams
+    from minivllm.sampling_params import SamplingParams
 
     gen = torch.Generator().manual_seed(11)
     folder, _ = checkpoints["qwen3-gqa2-tied"]
@@ -284,5 +290,5 @@ def test_the_engine_runs_on_chapter_8s_triton_backend(checkpoints):
     for backend in ["torch", "triton"]:
         llm = LLM(str(folder), num_kv_blocks=32, block_size=8, max_num_batched_tokens=16, attention_backend=backend)
         outputs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert llm.engine.backend is TritonPagedAttention
+    assert llm.engine.model_runner.backend is TritonPagedAttention
     assert outputs["triton"] == outputs["torch"]

@@ -1,13 +1,12 @@
 """Chapter 0 exercises."""
 
-import torch
 
-from minivllm.exercises import close, exercise, expect
+from minivllm.exercises import exercise, expect
 
 @exercise("00.parameter_count")
 def _parameter_count():
     from minivllm.config import ModelConfig
-    from minivllm.model import CausalLM
+    from minivllm.model.decoder import CausalLM
 
     base = dict(architectures=["Qwen3ForCausalLM"], vocab_size=100, hidden_size=32, intermediate_size=48,
                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,

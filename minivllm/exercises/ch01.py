@@ -6,7 +6,7 @@ from minivllm.exercises import close, exercise, expect
 
 @exercise("01.rms_norm")
 def _rms_norm():
-    from minivllm.layers import RMSNorm
+    from minivllm.model.layers import RMSNorm
 
     def case(shape, eps, dtype=torch.float32):
         def test(rms_norm):
@@ -32,7 +32,7 @@ def _rms_norm():
 
 @exercise("01.apply_rope")
 def _apply_rope():
-    from minivllm.layers import RotaryEmbedding
+    from minivllm.model.layers import RotaryEmbedding
 
     def reference(x, positions, theta):
         class Cfg:

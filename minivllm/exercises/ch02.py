@@ -1,8 +1,7 @@
 """Chapter 2 exercises."""
 
-import torch
 
-from minivllm.exercises import close, exercise, expect
+from minivllm.exercises import exercise, expect
 
 @exercise("02.linear_intensity")
 def _linear_intensity():

@@ -28,7 +28,7 @@ def _kv_cache_bytes():
 
 @exercise("03.decode_attention")
 def _decode_attention():
-    from minivllm.attention import causal_attention
+    from minivllm.attention.base import causal_attention
 
     def case(num_heads, num_kv_heads, head_dim, max_len, length, seed):
         def test(decode_attention):

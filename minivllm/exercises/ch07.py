@@ -32,7 +32,7 @@ def _shared_blocks():
 
 @exercise("07.chain")
 def _chain():
-    from minivllm.prefix_cache import block_hashes
+    from minivllm.core.kv_cache_utils import block_hashes
 
     def case(length, size, salt):
         def test(chain):

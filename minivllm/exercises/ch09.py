@@ -42,7 +42,7 @@ def _expected_tokens():
 
 @exercise("09.ngram_lookup")
 def _ngram_lookup():
-    from minivllm.spec_decode import NgramProposer
+    from minivllm.spec_decode.ngram_proposer import NgramProposer
 
     def case(tokens, k, high, low, what):
         def test(ngram_lookup):

@@ -33,7 +33,7 @@ def _parse_sse():
 
 @exercise("10.sendable_text")
 def _sendable_text():
-    from minivllm.server import sendable_text
+    from minivllm.entrypoints.openai_server import sendable_text
 
     def case(text, finished, stop):
         def test(candidate):

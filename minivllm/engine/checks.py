@@ -1,0 +1,43 @@
+"""The engine's input checks: plumbing, not taught. Every one runs before any work is done, so a bad
+request or configuration is refused with a message naming what is wrong, and nothing else is disturbed."""
+
+from minivllm.sampling_params import SamplingParams
+
+
+def check_engine_config(model, config) -> int:
+    """Refuse an engine configuration that cannot serve; returns the effective max_model_len."""
+    capacity = config.num_kv_blocks * config.block_size
+    max_model_len = config.max_model_len or min(model.config.max_model_len, capacity)
+    checks = [("max_model_len", max_model_len, 2 <= max_model_len <= min(model.config.max_model_len, capacity),
+               f"between 2 and min(the model's {model.config.max_model_len}, the KV cache's {capacity} slots)"),
+              ("max_num_seqs", config.max_num_seqs, config.max_num_seqs >= 1, ">= 1"),
+              ("max_num_batched_tokens", config.max_num_batched_tokens, config.max_num_batched_tokens >= 1, ">= 1")]
+    if not config.enable_chunked_prefill:
+        checks.append(("max_num_batched_tokens", config.max_num_batched_tokens,
+                       config.max_num_batched_tokens >= max_model_len,
+                       f">= max_model_len ({max_model_len}) without chunked prefill, or long prompts never run"))
+    for name, value, ok, expected in checks:
+        if not ok:
+            raise ValueError(f"{name} = {value}: must be {expected}")
+    return max_model_len
+
+
+def check_request(engine, request_id: str, prompt_token_ids, params, cache_salt=None) -> None:
+    """Refuse a request the engine cannot serve."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"sampling params must be a SamplingParams, not {type(params).__name__}")
+    if request_id in engine.output_processor.parents:
+        raise ValueError(f"request_id {request_id!r} is already in use")
+    if cache_salt is not None and not isinstance(cache_salt, str):
+        raise ValueError(f"cache_salt must be a string or None, not {type(cache_salt).__name__}")
+    if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
+        raise ValueError("prompt is empty: the model needs at least one token to condition on")
+    vocab = engine.model.config.vocab_size
+    bad = [t for t in prompt_token_ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab)]
+    if bad:
+        raise ValueError(f"prompt_token_ids: {bad[:5]} outside the vocabulary [0, {vocab})")
+    if len(prompt_token_ids) >= engine.config.max_model_len:
+        raise ValueError(f"prompt of {len(prompt_token_ids)} tokens: must be shorter than max_model_len = "
+                         f"{engine.config.max_model_len}, to leave room for at least one new token")
+    if params.stop_strings and engine.tokenizer is None:
+        raise ValueError("SamplingParams.stop needs a tokenizer: stop strings are matched on text")

@@ -1,0 +1,444 @@
+"""`make gpu-check`: chapter 8's Triton kernels on a CUDA GPU.
+
+    python -m minivllm.tools.gpu_check            # a CUDA machine: sized for under 8 minutes on one H200 (estimate)
+    python -m minivllm.tools.gpu_check --smoke    # anywhere with triton: tiny sizes (the interpreter on a CPU) into
+                                            # a temporary folder; checks this harness, measures nothing
+
+1. runs tests/test_triton_attention.py with the kernels compiled;
+2. sweeps the kernels' tile sizes on one large shape and keeps the fastest;
+3. decode attention: achieved GB/s against the GPU's peak bandwidth and against torch SDPA over K/V gathered
+   beforehand into contiguous tensors; then the same at several KV block sizes, and with split-K;
+4. prefill attention: TFLOP/s against torch SDPA (causal FlashAttention) on contiguous tensors.
+
+Results go to bench/gpu/<date>_<gpu>.json with a PNG per figure beside it, named alike; chapter 8 reads the
+newest. Plain module, not exported from a notebook: a benchmark harness, not engine code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "gpu"
+# spec-sheet HBM bandwidth (bytes/s) and dense bf16 tensor throughput (FLOP/s); matched on the device name
+SPEC_SHEETS = {
+    "H200": (4.8e12, 989e12),
+    "H100 SXM": (3.35e12, 989e12),
+    "H100 80GB HBM3": (3.35e12, 989e12),
+    "A100-SXM4-80GB": (2.039e12, 312e12),
+    "A100-SXM4-40GB": (1.555e12, 312e12),
+}
+# the shape of one attention layer of a Llama-3-8B-sized model: 32 query heads sharing 8 kv heads of 128
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
+TESTS_TIMEOUT_S = 240  # compiling every kernel variant the tests ask for takes a minute or two
+
+
+class Sizes:
+    """What to measure. The full sizes fit an H200's 141 GB with room to spare; the smoke sizes run in seconds
+    in the interpreter."""
+
+    def __init__(self, smoke: bool):
+        self.smoke = smoke
+        self.dtype = torch.float32 if smoke else torch.bfloat16  # the interpreter has no bf16
+        self.heads = (4, 2, 32) if smoke else (NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)
+        self.batches = [1, 2] if smoke else [1, 8, 32, 128]
+        self.contexts = [16, 48] if smoke else [1024, 4096, 16384]
+        self.block_size = 16
+        self.big = (2, 48) if smoke else (64, 8192)  # (batch, context) for the sweeps
+        self.block_sizes = [4, 16] if smoke else [1, 2, 4, 8, 16, 32, 64, 128]
+        self.splits = [1, 2] if smoke else [1, 2, 4, 8, 16]
+        self.split_shapes = [(1, 48)] if smoke else [(1, 16384), (4, 16384), (32, 16384)]
+        self.decode_tiles = [dict(block_n=16)] if smoke else [
+            dict(block_n=n, num_warps=w, num_stages=s) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
+        self.prefill_tiles = [dict(block_m=16, block_n=16)] if smoke else [
+            dict(block_m=m, block_n=n, num_warps=w) for m in (64, 128) for n in (32, 64) for w in (4, 8)]
+        self.prefill_shape = (1, 32) if smoke else (4, 2048)  # (batch, prompt length) for the prefill sweep
+        # (batch, cached context, new tokens): fresh prompts of 8k tokens in all, then chunks over a long prefix
+        self.prefills = [(2, 0, 16), (1, 16, 16)] if smoke else [
+            (16, 0, 512), (8, 0, 1024), (4, 0, 2048), (2, 0, 4096), (1, 0, 8192), (4, 4096, 512), (1, 16384, 2048)]
+        self.copy_bytes = 2**20 if smoke else 2**32
+
+
+# ------------------------------------------------------------------ measuring
+
+
+def time_ms(fn, device: torch.device) -> float:
+    """Median milliseconds of fn(): triton's do_bench on a GPU (it flushes the L2 cache between runs, so
+    nothing is served from cache that a real step would read from memory), a few plain runs on a CPU."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=25, rep=100, return_mode="median")
+    fn()
+    runs = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - start)
+    return 1000 * sorted(runs)[1]
+
+
+def copy_bandwidth(num_bytes: int, device: torch.device) -> float:
+    """Bytes/s of a large device-to-device copy (read + write): what this memory delivers in practice."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * num_bytes / (time_ms(lambda: dst.copy_(src), device) / 1000)
+
+
+def decode_problem(batch: int, context: int, block_size: int, sizes: Sizes, device: torch.device):
+    """A decode step: `batch` sequences of `context` cached tokens each, their blocks scattered through the cache
+    the way a long-running engine leaves them. Returns q, k_cache, v_cache, block_tables, seq_lens."""
+    heads, kv_heads, head_dim = sizes.heads
+    blocks_per_seq = math.ceil(context / block_size)
+    num_blocks = batch * blocks_per_seq
+    gen = torch.Generator(device).manual_seed(0)
+    kv = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, device=device, dtype=sizes.dtype, generator=gen)
+    order = torch.randperm(num_blocks, device=device, generator=gen)
+    block_tables = order.view(batch, blocks_per_seq).to(torch.int32)
+    seq_lens = torch.full((batch,), context, dtype=torch.long, device=device)
+    q = torch.randn(batch, heads, head_dim, device=device, dtype=sizes.dtype, generator=gen)
+    return q, kv[0], kv[1], block_tables, seq_lens
+
+
+def decode_bytes(batch: int, context: int, sizes: Sizes) -> int:
+    """What decode attention must move at least: every cached key and value once, q in, the output out."""
+    heads, kv_heads, head_dim = sizes.heads
+    element = torch.finfo(sizes.dtype).bits // 8
+    return element * head_dim * (2 * batch * context * kv_heads + 2 * batch * heads)
+
+
+def measure_decode(batch, context, sizes, device, block_size=None, **kernel_options) -> float:
+    from minivllm.kernels.paged_attention import paged_decode_attention
+
+    q, k_cache, v_cache, block_tables, seq_lens = decode_problem(batch, context, block_size or sizes.block_size,
+                                                                 sizes, device)
+    ms = time_ms(lambda: paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, context,
+                                                **kernel_options), device)
+    return decode_bytes(batch, context, sizes) / (ms / 1000) / 1e9
+
+
+def measure_decode_sdpa(batch, context, sizes, device) -> float | None:
+    """torch SDPA on K/V already gathered into [batch, kv_heads, context, head_dim]: no paging at all. None if
+    this torch has no SDPA kernel for the case."""
+    heads, kv_heads, head_dim = sizes.heads
+    gen = torch.Generator(device).manual_seed(0)
+    q = torch.randn(batch, heads, 1, head_dim, device=device, dtype=sizes.dtype, generator=gen)
+    k, v = torch.randn(2, batch, kv_heads, context, head_dim, device=device, dtype=sizes.dtype, generator=gen)
+    attention = torch.nn.functional.scaled_dot_product_attention
+    try:
+        ms = time_ms(lambda: attention(q, k, v, enable_gqa=True), device)
+    except RuntimeError:
+        return None
+    return decode_bytes(batch, context, sizes) / (ms / 1000) / 1e9
+
+
+def prefill_problem(batch: int, context: int, new: int, sizes: Sizes, device: torch.device):
+    heads, kv_heads, head_dim = sizes.heads
+    seq_len = context + new
+    block_size = sizes.block_size
+    blocks_per_seq = math.ceil(seq_len / block_size)
+    gen = torch.Generator(device).manual_seed(0)
+    kv = torch.randn(2, batch * blocks_per_seq, block_size, kv_heads, head_dim, device=device, dtype=sizes.dtype,
+                     generator=gen)
+    order = torch.randperm(batch * blocks_per_seq, device=device, generator=gen)
+    block_tables = order.view(batch, blocks_per_seq).to(torch.int32)
+    seq_lens = torch.full((batch,), seq_len, dtype=torch.long, device=device)
+    query_start_loc = torch.arange(batch + 1, device=device) * new
+    q = torch.randn(batch * new, heads, head_dim, device=device, dtype=sizes.dtype, generator=gen)
+    return q, kv[0], kv[1], block_tables, seq_lens, query_start_loc
+
+
+def prefill_flops(batch: int, context: int, new: int, sizes: Sizes) -> int:
+    """Causal attention FLOPs: query i (at position context + i) meets context + i + 1 keys, 4 FLOPs per
+    key and dimension (q.k and p.v, a multiply and an add each)."""
+    heads, _, head_dim = sizes.heads
+    keys = new * context + new * (new + 1) // 2
+    return 4 * batch * heads * head_dim * keys
+
+
+def measure_prefill(batch, context, new, sizes, device, **kernel_options) -> float:
+    from minivllm.kernels.paged_attention import paged_prefill_attention
+
+    q, k_cache, v_cache, block_tables, seq_lens, starts = prefill_problem(batch, context, new, sizes, device)
+    ms = time_ms(lambda: paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, starts, new,
+                                                 **kernel_options), device)
+    return prefill_flops(batch, context, new, sizes) / (ms / 1000) / 1e12
+
+
+def measure_prefill_sdpa(batch, new, sizes, device) -> float | None:
+    """torch SDPA, causal, on contiguous [batch, heads, new, head_dim] (FlashAttention on a recent GPU). None if
+    this torch has no SDPA kernel for the case."""
+    heads, kv_heads, head_dim = sizes.heads
+    gen = torch.Generator(device).manual_seed(0)
+    q = torch.randn(batch, heads, new, head_dim, device=device, dtype=sizes.dtype, generator=gen)
+    k, v = torch.randn(2, batch, kv_heads, new, head_dim, device=device, dtype=sizes.dtype, generator=gen)
+    attention = torch.nn.functional.scaled_dot_product_attention
+    try:
+        ms = time_ms(lambda: attention(q, k, v, is_causal=True, enable_gqa=True), device)
+    except RuntimeError:
+        return None
+    return prefill_flops(batch, 0, new, sizes) / (ms / 1000) / 1e12
+
+
+def best_of(configs: list[dict], measure) -> tuple[dict, list[dict]]:
+    """Run measure(**config) for each; a config the compiler refuses (too much shared memory) is recorded."""
+    rows = []
+    for config in configs:
+        try:
+            rows.append({**config, "value": measure(**config)})
+        except Exception as error:  # noqa: BLE001 -- an out-of-resources config is a result, not a failure
+            rows.append({**config, "value": None, "error": f"{type(error).__name__}: {str(error)[:200]}"})
+    measured = [r for r in rows if r["value"] is not None]
+    if not measured:
+        raise RuntimeError(f"every tile configuration failed: {rows}")
+    best = max(measured, key=lambda r: r["value"])
+    return {k: v for k, v in best.items() if k != "value"}, rows
+
+
+def run_tests(sizes: Sizes) -> dict:
+    if sizes.smoke:  # and the tests run a smoke check themselves
+        return {"skipped": "smoke run"}
+    start = time.time()
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    try:
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                               "tests/test_triton_attention.py"], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=TESTS_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        print(f"  the tests took over {TESTS_TIMEOUT_S} s: stopped")
+        return {"passed": False, "summary": f"stopped after {TESTS_TIMEOUT_S} s", "seconds": TESTS_TIMEOUT_S}
+    summary = (done.stdout.strip().splitlines() or [""])[-1]
+    print(f"  {summary}")
+    if done.returncode:
+        print(done.stdout[-4000:], done.stderr[-2000:])
+    return {"passed": done.returncode == 0, "summary": summary, "seconds": round(time.time() - start, 1)}
+
+
+def run(sizes: Sizes, device: torch.device) -> dict:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu {platform.machine()}"
+    peak_bandwidth, peak_flops = next((spec for key, spec in SPEC_SHEETS.items() if key in name), (None, None))
+    heads, kv_heads, head_dim = sizes.heads
+    results = {
+        "date": datetime.date.today().isoformat(), "device": name, "smoke": sizes.smoke,
+        "torch": torch.__version__, "triton": __import__("triton").__version__,
+        "dtype": str(sizes.dtype).removeprefix("torch."),
+        "shape": {"num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim, "block_size": sizes.block_size},
+        "peak_bandwidth_gbs": peak_bandwidth and peak_bandwidth / 1e9, "peak_tflops": peak_flops and peak_flops / 1e12,
+    }
+    print(f"{name}: tests with the kernels compiled")
+    results["tests"] = run_tests(sizes)
+    results["copy_bandwidth_gbs"] = copy_bandwidth(sizes.copy_bytes, device) / 1e9
+    print(f"  device-to-device copy: {results['copy_bandwidth_gbs']:.0f} GB/s")
+
+    batch, context = sizes.big
+    print(f"decode tile sweep at batch {batch} x context {context}")
+    decode_tile, results["decode_tile_sweep"] = best_of(
+        sizes.decode_tiles, lambda **tile: measure_decode(batch, context, sizes, device, num_splits=1, **tile))
+    results["decode_tile"] = decode_tile
+    print(f"  best {decode_tile}")
+
+    print("decode bandwidth")
+    results["decode"] = []
+    for batch in sizes.batches:
+        for context in sizes.contexts:
+            row = {"batch": batch, "context": context,
+                   "kernel_gbs": measure_decode(batch, context, sizes, device, **decode_tile),
+                   "sdpa_gbs": measure_decode_sdpa(batch, context, sizes, device)}
+            results["decode"].append(row)
+            print(f"  batch {batch:4d} context {context:6d}: triton {row['kernel_gbs']:8.1f} GB/s, "
+                  f"sdpa {row['sdpa_gbs'] or float('nan'):8.1f} GB/s")
+
+    batch, context = sizes.big
+    print(f"KV block size at batch {batch} x context {context}")
+    results["block_size"] = [{"block_size": b, "kernel_gbs": measure_decode(batch, context, sizes, device,
+                                                                           block_size=b, **decode_tile)}
+                             for b in sizes.block_sizes]
+
+    print("split-K")
+    results["splits"] = [{"batch": batch, "context": context, "num_splits": s,
+                          "kernel_gbs": measure_decode(batch, context, sizes, device, num_splits=s, **decode_tile)}
+                         for batch, context in sizes.split_shapes for s in sizes.splits]
+
+    batch, new = sizes.prefill_shape
+    print(f"prefill tile sweep at batch {batch} x {new} tokens")
+    prefill_tile, results["prefill_tile_sweep"] = best_of(
+        sizes.prefill_tiles, lambda **tile: measure_prefill(batch, 0, new, sizes, device, **tile))
+    results["prefill_tile"] = prefill_tile
+    print(f"  best {prefill_tile}")
+    results["prefill"] = []
+    for batch, context, new in sizes.prefills:
+        row = {"batch": batch, "context": context, "new": new,
+               "kernel_tflops": measure_prefill(batch, context, new, sizes, device, **prefill_tile),
+               "sdpa_tflops": measure_prefill_sdpa(batch, new, sizes, device) if context == 0 else None}
+        results["prefill"].append(row)
+        print(f"  batch {batch:3d} context {context:6d} new {new:5d}: triton {row['kernel_tflops']:7.1f} TFLOP/s"
+              + (f", sdpa {row['sdpa_tflops']:7.1f}" if row["sdpa_tflops"] else ""))
+    return results
+
+
+# ------------------------------------------------------------------ reading results back, and drawing them
+
+
+def results_stem(results: dict) -> str:
+    return f"{results['date']}_{re.sub(r'[^A-Za-z0-9]+', '-', results['device']).strip('-')}"
+
+
+def latest_results(folder: Path = RESULTS) -> dict | None:
+    """The newest measured (not smoke) results in bench/gpu/, or None."""
+    found = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+    measured = [r for r in found if not r.get("smoke")]
+    return max(measured, key=lambda r: r["date"]) if measured else None
+
+
+def _peak_lines(ax, results: dict, unit: str) -> None:
+    if unit == "GB/s":
+        if results.get("peak_bandwidth_gbs"):
+            ax.axhline(results["peak_bandwidth_gbs"], color="black", linestyle="--", linewidth=1,
+                       label=f"spec peak {results['peak_bandwidth_gbs']:,.0f} GB/s")
+        ax.axhline(results["copy_bandwidth_gbs"], color="grey", linestyle=":", linewidth=1,
+                   label=f"copy {results['copy_bandwidth_gbs']:,.0f} GB/s")
+    elif results.get("peak_tflops"):
+        ax.axhline(results["peak_tflops"], color="black", linestyle="--", linewidth=1,
+                   label=f"spec peak {results['peak_tflops']:,.0f} TFLOP/s")
+
+
+def plot_decode(results: dict):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5), facecolor="white")
+    colors = plt.cm.viridis
+    batches = sorted({r["batch"] for r in results["decode"]})
+    for i, batch in enumerate(batches):
+        rows = [r for r in results["decode"] if r["batch"] == batch]
+        color = colors(i / max(1, len(batches) - 1))
+        ax.plot([r["context"] for r in rows], [r["kernel_gbs"] for r in rows], marker="o", color=color,
+                label=f"triton paged, batch {batch}")
+        ax.plot([r["context"] for r in rows], [r["sdpa_gbs"] or float("nan") for r in rows], marker="x", linestyle="--",
+                color=color, alpha=0.6, label=f"SDPA contiguous, batch {batch}")
+    _peak_lines(ax, results, "GB/s")
+    if results.get("peak_bandwidth_gbs"):
+        peak = results["peak_bandwidth_gbs"]
+        ax.secondary_yaxis("right", functions=(lambda y: 100 * y / peak, lambda p: p * peak / 100)).set_ylabel(
+            "% of spec peak")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length (tokens per sequence)")
+    ax.set_ylabel("achieved bandwidth (GB/s)")
+    ax.set_title(f"decode attention, {results['dtype']}, {results['device']}")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def plot_block_size_and_splits(results: dict):
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), facecolor="white")
+    rows = results["block_size"]
+    left.plot([r["block_size"] for r in rows], [r["kernel_gbs"] for r in rows], marker="o")
+    _peak_lines(left, results, "GB/s")
+    left.set_xscale("log", base=2)
+    left.set_xlabel("KV block size (tokens)")
+    left.set_ylabel("achieved bandwidth (GB/s)")
+    left.set_title("decode: KV block size")
+    left.legend(fontsize=7)
+    for batch, context in sorted({(r["batch"], r["context"]) for r in results["splits"]}):
+        rows = [r for r in results["splits"] if (r["batch"], r["context"]) == (batch, context)]
+        right.plot([r["num_splits"] for r in rows], [r["kernel_gbs"] for r in rows], marker="o",
+                   label=f"batch {batch}, context {context}")
+    _peak_lines(right, results, "GB/s")
+    right.set_xscale("log", base=2)
+    right.set_xlabel("splits per sequence (split-K)")
+    right.set_title("decode: split-K")
+    right.legend(fontsize=7)
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def plot_prefill(results: dict):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4), facecolor="white")
+    rows = results["prefill"]
+    labels = [f"{r['batch']}x{r['new']}" + (f"\nover {r['context']}" if r["context"] else "") for r in rows]
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [r["kernel_tflops"] for r in rows], width=0.4, label="triton paged")
+    ax.bar([i + 0.2 for i in x], [r["sdpa_tflops"] or 0 for r in rows], width=0.4, label="SDPA contiguous (causal)")
+    _peak_lines(ax, results, "TFLOP/s")
+    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set_xlabel("batch x new tokens (over a cached context)")
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title(f"prefill attention, {results['dtype']}, {results['device']}")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    return fig
+
+
+FIGURES = {"decode": plot_decode, "block_size_splits": plot_block_size_and_splits, "prefill": plot_prefill}
+
+
+def write(results: dict, folder: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = results_stem(results)
+    written = [folder / f"{stem}.json"]
+    written[0].write_text(json.dumps(results, indent=1) + "\n")
+    for name, plot in FIGURES.items():
+        fig = plot(results)
+        written.append(folder / f"{stem}_{name}.png")
+        fig.savefig(written[-1], dpi=120, facecolor="white")
+        plt.close(fig)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, any machine with triton; measures nothing")
+    parser.add_argument("--out", type=Path, help=f"results folder (default {RESULTS.relative_to(ROOT)}, "
+                                                 "or a temporary folder with --smoke)")
+    args = parser.parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        print("gpu-check needs a CUDA GPU, and torch sees none (torch.cuda.is_available() is False).\n"
+              "On this machine the kernels run in triton's interpreter: `make test` checks them there, and\n"
+              "`python -m minivllm.tools.gpu_check --smoke` exercises this harness at tiny sizes.", file=sys.stderr)
+        return 2
+    if not args.smoke and os.environ.get("TRITON_INTERPRET") == "1":
+        print("TRITON_INTERPRET=1 is set: unset it, gpu-check measures the compiled kernels.", file=sys.stderr)
+        return 2
+    from minivllm.kernels.interpreter import triton_available
+
+    if not triton_available():
+        print("gpu-check needs the triton package (pip install triton).", file=sys.stderr)
+        return 2
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    started = time.time()
+    results = run(Sizes(args.smoke), device)
+    results["seconds"] = round(time.time() - started, 1)
+    folder = args.out or (Path(tempfile.mkdtemp(prefix="gpu-check-smoke-")) if args.smoke else RESULTS)
+    for path in write(results, folder):
+        print(f"wrote {path}")
+    return 0 if results["tests"].get("passed", True) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

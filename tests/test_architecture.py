@@ -1,0 +1,231 @@
+"""The redesign's promises: the layout's import rule, no side effects on import, requests of one step sharing
+their prompt through the prefix cache, batched sampling, incremental detokenization, and a failed step that
+fails only its own requests."""
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import minivllm
+from minivllm import LLM, SamplingParams
+from minivllm.book.texts import CORPUS
+from minivllm.core.request import Request
+from minivllm.core.stop_checker import IncrementalDetokenizer, StopChecker
+from minivllm.engine.sampler import Sampler, sample_token, sampling_probs
+from minivllm.model.loader import DEFAULT_MODEL
+
+PACKAGE = Path(minivllm.__file__).parent
+NOT_ENGINE = ("minivllm.book", "minivllm.tools", "minivllm.exercises", "minivllm.cli", "minivllm.__main__")
+
+
+def module_imports() -> dict[str, set[str]]:
+    """Every module of the package -> the minivllm modules it imports (anywhere in its code)."""
+    graph = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("minivllm"):
+                found.add(node.module)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names if a.name.startswith("minivllm"))
+        graph[name] = found
+    return graph
+
+
+def test_the_engine_never_imports_the_book_or_the_tools():
+    graph = module_imports()
+    engine = [m for m in graph if not m.startswith(NOT_ENGINE)]
+    assert "minivllm.core.scheduler" in engine and "minivllm.entrypoints.llm" in engine
+    offenders = {m: sorted(i for i in graph[m] if i.startswith(NOT_ENGINE)) for m in engine}
+    assert {m: i for m, i in offenders.items() if i} == {}
+
+
+def test_no_import_cycles():
+    graph = module_imports()
+
+    def resolve(name):  # `from minivllm.core import x` may name a module or a package
+        return name if name in graph else name.rsplit(".", 1)[0]
+
+    state = {}
+
+    def visit(module, path):
+        state[module] = "open"
+        for target in sorted(resolve(i) for i in graph[module]):
+            if target == module or target not in graph:
+                continue
+            assert state.get(target) != "open", f"import cycle: {' -> '.join(path + [target])}"
+            if target not in state:
+                visit(target, path + [target])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+
+
+def test_importing_the_package_changes_no_environment_variable():
+    code = ("import os, json; before = dict(os.environ)\n"
+            "import minivllm, minivllm.attention.selector, minivllm.spec_decode.engine, minivllm.entrypoints.openai_server\n"
+            "print(json.dumps(dict(os.environ) == before))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.strip() == "true"
+
+
+# ------------------------------------------------------------------ same-step sharing (vLLM V1 caches at allocation)
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(num_kv_blocks=256, enable_prefix_caching=True, block_size=16)
+
+
+def corpus_tokens(llm, start, count):
+    """count tokens of the book's corpus from token `start` on (the corpus repeated as needed)."""
+    tokens = llm.get_tokenizer()(CORPUS).input_ids
+    return (tokens * (1 + (start + count) // len(tokens)))[start:start + count]
+
+
+def test_identical_prompts_in_one_call_share_their_blocks(llm, hf_model):
+    prompt = corpus_tokens(llm, 100, 200)
+    assert len(prompt) == 200
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    first, second = llm.generate([{"prompt_token_ids": prompt}] * 2, greedy, use_tqdm=False)
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 192)  # 12 full blocks; the last token is computed
+    with torch.no_grad():
+        expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24,
+                                     do_sample=False)[0, 200:].tolist()
+    assert first.outputs[0].token_ids == second.outputs[0].token_ids == expected
+    assert llm.stats()["kv_blocks_free"] == 256
+
+
+def test_the_n_samples_of_one_request_share_the_prompt(llm):
+    prompt = corpus_tokens(llm, 400, 218)
+    params = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=16)
+    before = llm.stats()["prefix_cache_hits"]
+    [out] = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    assert llm.stats()["prefix_cache_hits"] - before >= 3 * 208
+    [again] = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    samples = [c.token_ids for c in out.outputs]
+    assert samples == [c.token_ids for c in again.outputs] and len(set(map(tuple, samples))) > 1
+
+
+# ------------------------------------------------------------------ the batched sampler
+
+def fake_request(params, seed=None):
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+    return Request("r", [1], params, StopChecker(params), generator)
+
+
+def test_batched_sampler_draws_what_the_one_row_sampler_draws():
+    vocab = 300
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(0)) * 3
+    settings = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_k=20),
+                SamplingParams(temperature=1.3, top_p=0.8), SamplingParams(temperature=1.0, min_p=0.05),
+                SamplingParams(temperature=0.9, top_k=50, top_p=0.9, min_p=0.01), SamplingParams(temperature=2.0)]
+    for seed in range(20):
+        requests = [fake_request(p, seed * 10 + i) for i, p in enumerate(settings)]
+        batched = Sampler()(logits, requests, torch.Generator())
+        one_by_one = [sample_token(logits[i], p, torch.Generator().manual_seed(seed * 10 + i))
+                      for i, p in enumerate(settings)]
+        assert batched == one_by_one
+
+
+def test_batched_sampler_follows_sampling_probs():
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(1)) * 2
+    params = SamplingParams(temperature=0.8, top_k=10, top_p=0.9)
+    requests = [fake_request(params) for _ in range(4000)]
+    tokens = Sampler()(logits.expand(4000, -1).contiguous(), requests, torch.Generator().manual_seed(0))
+    counts = torch.bincount(torch.tensor(tokens), minlength=50).float() / 4000
+    probs = sampling_probs(logits, params)
+    probs = probs / probs.sum()
+    assert torch.all(counts[probs == 0] == 0) and (counts - probs).abs().max() < 0.03
+
+
+# ------------------------------------------------------------------ incremental detokenization
+
+def test_incremental_text_equals_the_full_decode_on_long_outputs(llm):
+    tokenizer = llm.get_tokenizer()
+    gen = torch.Generator().manual_seed(3)
+    cases = [corpus_tokens(llm, 0, 600), torch.randint(0, tokenizer.vocab_size, (600,), generator=gen).tolist()]
+    text = "naïve café, 東京 — ✓ 🎉 " * 20  # characters split over several byte-level tokens
+    cases.append(tokenizer(text).input_ids)
+    for tokens in cases:
+        detokenizer = IncrementalDetokenizer(tokenizer)
+        for n in range(1, len(tokens) + 1):
+            detokenizer.update(tokens[:n])
+            full = tokenizer.decode(tokens[:n], skip_special_tokens=True)
+            assert full.startswith(detokenizer.text) and detokenizer.full_text(tokens[:n]) == full
+        assert detokenizer.prefix_offset > len(tokens) - 20  # it decoded only a short tail each time
+
+
+def test_stop_strings_found_incrementally_match_a_full_search(llm):
+    tokenizer = llm.get_tokenizer()
+    tokens = corpus_tokens(llm, 300, 300)
+    full = tokenizer.decode(tokens)
+    assert len(full) > 800
+    for stop in ["\n\n", "the ", "KING", full[700:712], "zzz-never"]:
+        for include in (False, True):
+            params = SamplingParams(stop=[stop, "@@@"], include_stop_str_in_output=include, max_tokens=None)
+            checker = StopChecker(params, tokenizer)
+            reason, n = None, 0
+            while reason is None and n < len(tokens):
+                n += 1
+                reason = checker.finish_reason(tokens[:n])
+            at = full.find(stop)
+            if at < 0:
+                assert reason is None and checker.text(tokens) == full
+            else:
+                assert reason == "stop" and checker.text(tokens[:n]) == full[:at + (len(stop) if include else 0)]
+
+
+# ------------------------------------------------------------------ a failing step fails only its own requests
+
+def test_a_failed_forward_pass_aborts_its_requests_and_the_engine_serves_on(monkeypatch):
+    llm = LLM(num_kv_blocks=64)
+    engine = llm.engine
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = llm.generate(["ROMEO:"] * 2, greedy, use_tqdm=False)
+    real = engine.model_runner.execute
+    calls = {"n": 0}
+
+    def flaky(scheduler_output):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected failure")
+        return real(scheduler_output)
+
+    monkeypatch.setattr(engine.model_runner, "execute", flaky)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        llm.generate(["JULIET:", "HAMLET:"], greedy, use_tqdm=False)
+    assert not engine.has_unfinished_requests() and engine.kv_manager.pool.num_free == 64
+    assert not engine.kv_manager.pool.cached  # nothing half-written stays findable
+    monkeypatch.setattr(engine.model_runner, "execute", real)
+    engine.output_processor.parents.clear()  # the failed call's outputs were never read
+    again = llm.generate(["ROMEO:"] * 2, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in expected]
+
+
+def test_a_huge_temperature_is_a_float_and_a_bad_salt_is_refused_up_front():
+    llm = LLM(num_kv_blocks=64)
+    assert SamplingParams(temperature=2**64).temperature == float(2**64)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=2**2000)
+    outs = llm.generate(["ROMEO:", "JULIET:"], [SamplingParams(temperature=0, max_tokens=4),
+                                              SamplingParams(temperature=2**64, max_tokens=4, seed=0)], use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.engine.add_request("salted", [5, 6, 7], SamplingParams(), cache_salt={1, 2})
+    assert not llm.engine.has_unfinished_requests() and "salted" not in llm.engine.output_processor.parents

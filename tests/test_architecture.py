@@ -16,6 +16,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.book.texts import CORPUS
 from minivllm.core.request import Request
 from minivllm.core.stop_checker import IncrementalDetokenizer, StopChecker
+from minivllm.engine.llm_engine import EngineStepError
 from minivllm.engine.sampler import Sampler, sample_token, sampling_probs
 from minivllm.model.loader import DEFAULT_MODEL
 
@@ -208,12 +209,13 @@ def test_a_failed_forward_pass_aborts_its_requests_and_the_engine_serves_on(monk
         return real(scheduler_output)
 
     monkeypatch.setattr(engine.model_runner, "execute", flaky)
-    with pytest.raises(RuntimeError, match="injected failure"):
+    with pytest.raises(EngineStepError, match="injected failure") as failure:
         llm.generate(["JULIET:", "HAMLET:"], greedy, use_tqdm=False)
+    assert len(failure.value.request_ids) == 2  # the step ran both: both were aborted
     assert not engine.has_unfinished_requests() and engine.kv_manager.pool.num_free == 64
     assert not engine.kv_manager.pool.cached  # nothing half-written stays findable
+    assert not engine.output_processor.parents  # generate took back what it added
     monkeypatch.setattr(engine.model_runner, "execute", real)
-    engine.output_processor.parents.clear()  # the failed call's outputs were never read
     again = llm.generate(["ROMEO:"] * 2, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in expected]
 
@@ -229,3 +231,26 @@ def test_a_huge_temperature_is_a_float_and_a_bad_salt_is_refused_up_front():
     with pytest.raises(ValueError, match="cache_salt"):
         llm.engine.add_request("salted", [5, 6, 7], SamplingParams(), cache_salt={1, 2})
     assert not llm.engine.has_unfinished_requests() and "salted" not in llm.engine.output_processor.parents
+
+
+def test_a_failed_step_fails_only_the_requests_it_ran(monkeypatch):
+    llm = LLM(num_kv_blocks=64, max_num_seqs=1)  # one request at a time: the second waits while the first fails
+    engine, tokenizer = llm.engine, llm.get_tokenizer()
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    [expected] = llm.generate(["HAMLET:"], greedy, use_tqdm=False)
+    engine.add_request("a", tokenizer("ROMEO:").input_ids, greedy)
+    engine.add_request("b", tokenizer("HAMLET:").input_ids, greedy)
+    real = engine.model_runner.execute
+
+    def fail_once(scheduler_output):
+        monkeypatch.setattr(engine.model_runner, "execute", real)
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(engine.model_runner, "execute", fail_once)
+    with pytest.raises(EngineStepError) as failure:
+        engine.step()
+    assert failure.value.request_ids == ["a"] and engine.output("a").outputs[0].finish_reason == "abort"
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.output("b").outputs[0].token_ids == expected.outputs[0].token_ids
+    assert engine.kv_manager.pool.num_free == 64

@@ -97,3 +97,47 @@ def test_a_failing_notebook_is_named_with_its_cell(tmp_path):
 
 def test_the_package_is_what_the_notebooks_say():
     assert notebook_tools.export_differences() == []
+
+
+def test_imports_are_hoisted_merged_grouped_and_a_module_never_imports_itself(tmp_path):
+    (tmp_path / "notebooks").mkdir()
+    write_notebook(tmp_path / "notebooks" / "01_a.ipynb",
+                   new_code_cell("# export: minivllm/core/thing.py\nimport torch\nfrom minivllm.config import B\n\n\n"
+                                 "def first():\n    return B\n\n\nCONSTANT = 1"))
+    write_notebook(tmp_path / "notebooks" / "02_b.ipynb",
+                   new_code_cell("# export: minivllm/core/thing.py\nimport os\nfrom dataclasses import field\n"
+                                 "from minivllm.config import A, B, helper\nfrom minivllm.core.thing import first\n"
+                                 "import torch\n\n\ndef second():\n    return first(), A, helper, os, field"))
+    notebook_tools.export(tmp_path)
+    text = (tmp_path / "minivllm" / "core" / "thing.py").read_text()
+    head = text.split("\n\n", 1)[1].split("\n\n\n", 1)[0]
+    assert head == "import os\nfrom dataclasses import field\n\nimport torch\n\nfrom minivllm.config import A, B, helper"
+    assert "minivllm.core.thing" not in text
+    body = text.split(head, 1)[1]
+    assert "import" not in body and body.index("def first") < body.index("CONSTANT") < body.index("def second")
+    compile(text, "thing.py", "exec")
+
+
+def test_a_class_built_in_steps_becomes_one_class(tmp_path):
+    (tmp_path / "notebooks").mkdir()
+    write_notebook(tmp_path / "notebooks" / "01_a.ipynb",
+                   new_code_cell('# export: minivllm/steps.py\nclass Engine:\n    """Docs."""\n\n'
+                                 '    def one(self):\n        return 1\n\n\nAFTER = 0'),
+                   new_code_cell("# export: minivllm/steps.py\nclass Engine(Engine):\n    def two(self):\n"
+                                 "        return self.one() + 1"))
+    write_notebook(tmp_path / "notebooks" / "02_b.ipynb",
+                   new_code_cell("# export: minivllm/steps.py\nclass Engine(Engine):\n    def three(self):\n"
+                                 "        return self.two() + 1"))
+    notebook_tools.export(tmp_path)
+    text = (tmp_path / "minivllm" / "steps.py").read_text()
+    assert text.count("class Engine") == 1 and "Engine(Engine)" not in text
+    namespace = {}
+    exec(compile(text, "steps.py", "exec"), namespace)
+    engine = namespace["Engine"]()
+    assert (engine.one(), engine.two(), engine.three()) == (1, 2, 3) and namespace["Engine"].__mro__[1] is object
+    assert text.index("def three") < text.index("AFTER = 0")  # the steps join the class, not the module's end
+
+    write_notebook(tmp_path / "notebooks" / "03_c.ipynb",
+                   new_code_cell("# export: minivllm/other.py\nclass Lonely(Lonely):\n    pass"))
+    with pytest.raises(ValueError, match=r"class step Lonely\(Lonely\): no earlier cell"):
+        notebook_tools.export(tmp_path)

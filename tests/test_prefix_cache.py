@@ -148,7 +148,7 @@ def test_outputs_identical_with_and_without_caching_through_evictions_and_preemp
     cached, roomy = run(True, 60)
     squeezed, tight = run(True, 22)
     assert plain == cached == squeezed
-    assert roomy.scheduler.prefix_cache_hits > 0 and tight.scheduler.num_preemptions > 0
+    assert roomy.kv_manager.prefix_cache_hits > 0 and tight.scheduler.num_preemptions > 0
     assert any(roomy.kv_manager.pool.block_hash) and len(tight.kv_manager.pool.cached) <= 22
     for prompt, tokens in zip(prompts[:3], plain):
         with torch.no_grad():
@@ -162,7 +162,7 @@ def test_stats_count_prompt_tokens_looked_up_and_found(model):
     prompt = random_tokens(30, 5)
     serve(engine, [prompt])
     serve(engine, [prompt + [7, 8]])
-    assert (engine.scheduler.prefix_cache_queries, engine.scheduler.prefix_cache_hits) == (30 + 32, 24)
+    assert (engine.kv_manager.prefix_cache_queries, engine.kv_manager.prefix_cache_hits) == (30 + 32, 24)
 
 
 # ------------------------------------------------------------------ the autopsy

@@ -10,10 +10,21 @@ from minivllm.sampling_params import SamplingParams
 @pytest.mark.parametrize("field, value", [
     ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5),
     ("max_tokens", 0), ("max_tokens", -3), ("n", 0), ("stop", ""), ("stop", ["ok", ""]), ("stop_token_ids", [-1]),
+    # the upper bounds: what the engine's tensors hold, and no unbounded work for one request
+    ("n", 4097), ("top_k", 2**31), ("max_tokens", 2**31), ("seed", 2**63), ("temperature", float("inf")),
+    ("temperature", float("nan")), ("stop", ["x"] * 33), ("stop", ["x" * 1025]), ("stop_token_ids", list(range(1025))),
+    ("stop_token_ids", [2**31]), ("n", True), ("temperature", "0.5"), ("stop", {"a"}),
 ])
 def test_out_of_range_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field} = "):
         SamplingParams(**{field: value})
+
+
+def test_integers_beyond_any_float_or_repr_are_refused_by_name():
+    for field in ["n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens"]:
+        with pytest.raises(ValueError, match=rf"SamplingParams\.{field} = an integer of 66439 bits: must be"):
+            SamplingParams(**{field: 10**20000})  # more than 4,300 digits: even repr() of it raises
+    assert SamplingParams(temperature=2**64).temperature == 2.0**64  # large but finite: a float
 
 
 def test_defaults_are_vllms():

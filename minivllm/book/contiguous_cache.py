@@ -5,7 +5,7 @@ import time
 import torch
 
 from minivllm.attention.base import AttentionMetadata, causal_attention
-from minivllm.book.recompute import check_request, Completion
+from minivllm.book.recompute import Completion, check_request
 from minivllm.config import kv_bytes_per_token
 from minivllm.core.stop_checker import StopChecker
 from minivllm.engine.sampler import sample_token

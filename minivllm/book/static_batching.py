@@ -5,7 +5,7 @@ import time
 import torch
 
 from minivllm.book.contiguous_cache import ContiguousCacheAttention, ContiguousKVCache
-from minivllm.book.recompute import check_request, Completion
+from minivllm.book.recompute import Completion, check_request
 from minivllm.core.stop_checker import StopChecker
 from minivllm.engine.sampler import sample_token
 from minivllm.sampling_params import SamplingParams

@@ -3,7 +3,7 @@
 import math
 
 from minivllm.core.block_pool import BlockPool, NoFreeBlocksError, PrefixCachingBlockPool
-from minivllm.core.kv_cache_utils import hash_block, SEED_HASH
+from minivllm.core.kv_cache_utils import SEED_HASH, hash_block
 
 
 class KVCacheManager:
@@ -13,6 +13,7 @@ class KVCacheManager:
         self.pool, self.block_size = pool, block_size
         self.block_tables: dict[object, list[int]] = {}
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write: (src, dst) blocks, before the next forward
+        self.prefix_cache_queries = self.prefix_cache_hits = 0  # chapter 7: prompt tokens looked up, and found
 
     def _written_shared_blocks(self, seq_id, start: int, count: int) -> list[int]:
         """Logical indices of existing blocks that positions start .. start+count-1 write into and that are shared."""
@@ -112,6 +113,9 @@ class PrefixCachingKVCacheManager(KVCacheManager):
             return False
         self.allocate(request.request_id, start, num_new_tokens)
         self.cache_blocks(request, start + num_new_tokens)
+        if request.num_cached_tokens is None:  # its first admission: a lookup for the statistics
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += len(computed_blocks) * self.block_size
         return True
 
     def cache_blocks(self, request, num_computed_tokens: int) -> None:

@@ -33,8 +33,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in arrival order: the last one is preempted first
         self.num_preemptions = 0
-        self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache (chapter 7)
-        self.prefix_cache_hits = 0  # ... and found there
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -71,8 +69,6 @@ class Scheduler:
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens is None:  # first admission, not a readmission after preemption
                 request.num_cached_tokens = num_computed
-                self.prefix_cache_queries += request.num_tokens
-                self.prefix_cache_hits += num_computed
             self.waiting.popleft()
             request.status = "running"
             if request.first_scheduled_time is None:

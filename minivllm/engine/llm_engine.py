@@ -19,6 +19,14 @@ from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
 
+class EngineStepError(RuntimeError):
+    """A step failed; the requests it was running were aborted (`request_ids`), every other one goes on."""
+
+    def __init__(self, error: Exception, request_ids: list[str]):
+        super().__init__(f"engine step failed ({type(error).__name__}: {error}); aborted requests {request_ids}")
+        self.request_ids = request_ids
+
+
 class LLMEngine:
     """Requests in, tokens out, one `step()` at a time: schedule, execute, update."""
 
@@ -80,19 +88,19 @@ class LLMEngine:
             return []
         try:
             new_token_ids = self.model_runner.execute(scheduler_output)
-        except Exception:
-            self._fail(scheduler_output)
-            raise
+        except Exception as error:
+            raise EngineStepError(error, self._fail(scheduler_output)) from error
         changed = self.scheduler.update_from_output(scheduler_output, new_token_ids)
         return self.output_processor.make_outputs(changed)
 
-    def _fail(self, scheduler_output) -> None:
+    def _fail(self, scheduler_output) -> list[str]:
         """The forward pass raised: its requests end (aborted, blocks back), and no block it was to fill stays
-        findable in the prefix cache. The engine serves everyone else."""
+        findable in the prefix cache. The engine serves everyone else. Returns the failed requests' ids."""
         for request, _ in scheduler_output.scheduled:
             if request.status != "finished":
                 self.scheduler.finish(request, "abort")
         self.kv_manager.reset_prefix_cache()
+        return list(dict.fromkeys(request.parent_id for request, _ in scheduler_output.scheduled))
 
     def output(self, request_id: str) -> RequestOutput:
         return self.output_processor.output(request_id)
@@ -102,11 +110,10 @@ class LLMEngine:
         self.output_processor.release(request_id)
 
     def stats(self) -> dict:
-        pool = self.kv_manager.pool
-        return {"kv_blocks_total": pool.num_blocks, "kv_blocks_free": pool.num_free,
+        manager = self.kv_manager
+        return {"kv_blocks_total": manager.pool.num_blocks, "kv_blocks_free": manager.pool.num_free,
                 "num_preemptions": self.scheduler.num_preemptions,
-                "prefix_cache_queries": self.scheduler.prefix_cache_queries,
-                "prefix_cache_hits": self.scheduler.prefix_cache_hits}
+                "prefix_cache_queries": manager.prefix_cache_queries, "prefix_cache_hits": manager.prefix_cache_hits}
 
     def stream(self):
         """Partial outputs as they are produced, until every request has finished."""

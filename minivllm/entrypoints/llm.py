@@ -56,14 +56,17 @@ class LLM:
         ids = [self.engine.add_request(None, tokens, p, text, salt) for (tokens, text, salt), p in zip(parsed, params)]
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
         done = {}
-        while self.engine.has_unfinished_requests():
-            for output in self.engine.step():
-                if output.finished:
-                    done[output.request_id] = output
-                    bar.update(1)
-        bar.close()
-        for request_id in ids:
-            self.engine.release(request_id)
+        try:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        done[output.request_id] = output
+                        bar.update(1)
+        finally:  # also when a step raises: nothing this call added stays in the engine
+            bar.close()
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+                self.engine.release(request_id)
         return [done[request_id] for request_id in ids]
 
     def _parse(self, index: int, prompt) -> tuple[list[int], str | None, str | None]:

@@ -5,7 +5,7 @@ from importlib.resources import files
 from pathlib import Path
 
 import torch
-from safetensors import safe_open, SafetensorError
+from safetensors import SafetensorError, safe_open
 
 from minivllm.config import DTYPES, ModelConfig
 from minivllm.model.decoder import CausalLM

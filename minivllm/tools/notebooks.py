@@ -124,6 +124,12 @@ def import_group(module: str) -> int:
     return 0 if top == "__future__" else 1 if top in sys.stdlib_module_names else 3 if top == "minivllm" else 2
 
 
+def name_order(alias: tuple[str, str | None]) -> tuple:
+    """isort's order of imported names: CONSTANTS, then Classes, then functions and modules."""
+    name = alias[0]
+    return (0 if name.isupper() and len(name) > 1 else 1 if name[0].isupper() else 2, name.lower(), alias)
+
+
 def format_imports(nodes: list[ast.stmt], own_module: str) -> str:
     """isort-like: merged, deduplicated, grouped (future, standard library, third party, minivllm), sorted."""
     plain: set[tuple[str, str | None]] = set()
@@ -137,7 +143,7 @@ def format_imports(nodes: list[ast.stmt], own_module: str) -> str:
     for name, asname in sorted(plain):
         groups.setdefault(import_group(name), []).append(f"import {name}" + (f" as {asname}" if asname else ""))
     for module in sorted(names):
-        aliases = [a + (f" as {b}" if b else "") for a, b in sorted(names[module], key=lambda x: (x[0].lower(), x))]
+        aliases = [a + (f" as {b}" if b else "") for a, b in sorted(names[module], key=name_order)]
         line = f"from {module} import {', '.join(aliases)}"
         if len(line) > 120:
             line = f"from {module} import (\n" + "".join(f"    {a},\n" for a in aliases) + ")"

@@ -2,7 +2,7 @@
 
     python -m minivllm generate "ROMEO:" --max-tokens 50
     python -m minivllm generate "ROMEO:" --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
-    python -m minivllm serve [--port 8000]                    # an OpenAI-compatible server (chapter 10)
+    python -m minivllm serve [--port 8000] [--api-key KEY]    # an OpenAI-compatible server (chapter 10)
     python -m minivllm bench [--num-prompts 64 ...]
     python -m minivllm explain-cache A.txt B.txt [--block-size 16]   # what B would reuse from A's cache
 """
@@ -27,12 +27,16 @@ def generate(args) -> int:
 
 
 def serve(args) -> int:
+    import os
+
     from minivllm import LLM
-    from minivllm.entrypoints.openai_server import serve as run_server
+    from minivllm.entrypoints.openai.launcher import run_server
 
     llm = LLM(args.model, speculative_config=args.speculative_config)
+    api_key = args.api_key or os.environ.get("MINIVLLM_API_KEY") or None
     try:
-        run_server(llm, args.host, args.port, args.served_model_name)
+        run_server(llm, args.host, args.port, args.served_model_name, api_key=api_key,
+                   access_log=not args.disable_uvicorn_access_log)
     except KeyboardInterrupt:
         pass
     return 0
@@ -97,6 +101,10 @@ def main(argv=None) -> int:
     server.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
     server.add_argument("--served-model-name", default="minivllm", help="the name clients pass as `model`")
     server.add_argument("--speculative-config", type=json_object, default=None)
+    server.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on every path but /health, /metrics included "
+                             "(default: $MINIVLLM_API_KEY, else none)")
+    server.add_argument("--disable-uvicorn-access-log", action="store_true", help="no line per request on stdout")
     sub.add_parser("bench", help="throughput, TTFT and TPOT of the engine (see python -m minivllm bench --help)")
     explain = sub.add_parser("explain-cache", help="which blocks of prompt B would be served from A's prefix cache")
     explain.add_argument("a", help="a text file, or a .json chat (a list of {role, content} messages)")

@@ -17,6 +17,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """The shape and the switches of a checkpoint, read from its config.json by `from_hf`."""
+
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -39,21 +41,11 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
         """Read a transformers config.json (as a dict), refusing what this engine does not implement."""
-        architecture = (hf.get("architectures") or [None])[0]
-        if architecture not in ARCHITECTURES:
-            raise ValueError(f"config field 'architectures' = {architecture!r} is not supported; "
-                             f"supported: {sorted(ARCHITECTURES)}")
+        _refuse_unsupported(hf)  # by name, before anything is read
+        architecture = hf["architectures"][0]
         qk_norm, qkv_bias, o_bias = ARCHITECTURES[architecture]
         attention_bias = bool(hf.get("attention_bias", False))
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config field 'hidden_act' = {hf['hidden_act']!r} is not supported; only 'silu'")
-        if hf.get("use_sliding_window") or any(t != "full_attention" for t in hf.get("layer_types") or []):
-            raise ValueError("config fields 'use_sliding_window'/'layer_types' ask for sliding-window attention, "
-                             "which is not supported")
         dtype_name = hf.get("dtype", hf.get("torch_dtype")) or "float32"
-        if dtype_name not in DTYPES:
-            field = "dtype" if "dtype" in hf else "torch_dtype"
-            raise ValueError(f"config field '{field}' = {dtype_name!r} is not supported; supported: {sorted(DTYPES)}")
         rope_theta, rope_scaling = _read_rope(hf)
         num_heads = hf["num_attention_heads"]
         return cls(
@@ -76,6 +68,23 @@ class ModelConfig:
             mlp_bias=bool(hf.get("mlp_bias", False)),
             dtype=DTYPES[dtype_name],
         )
+
+
+def _refuse_unsupported(hf: dict) -> None:
+    """Raise ValueError naming the first config field that asks for something this engine does not implement."""
+    architecture = (hf.get("architectures") or [None])[0]
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"config field 'architectures' = {architecture!r} is not supported; "
+                         f"supported: {sorted(ARCHITECTURES)}")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config field 'hidden_act' = {hf['hidden_act']!r} is not supported; only 'silu'")
+    if hf.get("use_sliding_window") or any(t != "full_attention" for t in hf.get("layer_types") or []):
+        raise ValueError("config fields 'use_sliding_window'/'layer_types' ask for sliding-window attention, "
+                         "which is not supported")
+    dtype_name = hf.get("dtype", hf.get("torch_dtype")) or "float32"
+    if dtype_name not in DTYPES:
+        field = "dtype" if "dtype" in hf else "torch_dtype"
+        raise ValueError(f"config field '{field}' = {dtype_name!r} is not supported; supported: {sorted(DTYPES)}")
 
 
 def _read_rope(hf: dict) -> tuple[float, dict | None]:

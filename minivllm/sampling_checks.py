@@ -13,6 +13,7 @@ own conversions hold, and keep one request from asking for unbounded work:
 | max_tokens | None, or 1 .. 2**31 - 1 |
 | stop | None, or up to 32 non-empty strings of at most 1,024 characters |
 | stop_token_ids | None, or up to 1,024 integers in 0 .. 2**31 - 1 |
+| logprobs | None, or 0 .. 20 alternatives per token (vLLM's default --max-logprobs) |
 """
 
 import math
@@ -22,6 +23,7 @@ MAX_INT32 = 2**31 - 1
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGPROBS = 20
 
 
 def _integer(x) -> bool:
@@ -74,6 +76,8 @@ def check_sampling_params(p) -> None:
          f"None, or at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_STRING_CHARS} characters"),
         ("stop_token_ids", p.stop_token_ids, _stop_ids_ok(p.stop_token_ids),
          f"None, or at most {MAX_STOP_TOKEN_IDS} integers in [0, 2**31)"),
+        ("logprobs", p.logprobs, p.logprobs is None or (_integer(p.logprobs) and 0 <= p.logprobs <= MAX_LOGPROBS),
+         f"None or an integer in [0, {MAX_LOGPROBS}]"),
     ] + [(name, getattr(p, name), isinstance(getattr(p, name), bool), "True or False")
          for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")]
     for name, value, ok, expected in checks:

@@ -24,6 +24,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None  # per new token, its log-probability and this many most likely alternatives
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):

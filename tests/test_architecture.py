@@ -254,3 +254,27 @@ def test_a_failed_step_fails_only_the_requests_it_ran(monkeypatch):
         engine.step()
     assert engine.output("b").outputs[0].token_ids == expected.outputs[0].token_ids
     assert engine.kv_manager.pool.num_free == 64
+
+
+def test_logprobs_are_kept_on_the_request_and_equal_transformers(llm, hf_model):
+    prompt = corpus_tokens(llm, 50, 30)
+    [out] = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=6, logprobs=3),
+                         use_tqdm=False)
+    completion = out.outputs[0]
+    assert len(completion.logprobs) == len(completion.token_ids) == 6
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt + completion.token_ids])).logits[0, len(prompt) - 1:-1]
+    expected = logits.log_softmax(-1)
+    for position, (token, (logprob, alternatives)) in enumerate(zip(completion.token_ids, completion.logprobs)):
+        assert abs(logprob - expected[position, token].item()) < 1e-4
+        assert [t for t, _ in alternatives] == expected[position].topk(3).indices.tolist()
+        assert alternatives[0][0] == token  # greedy: the sampled token is the most likely one
+    [plain] = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert plain.outputs[0].logprobs is None
+
+
+def test_speculative_decoding_refuses_logprobs_up_front():
+    spec = LLM(num_kv_blocks=64, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="logprobs"):
+        spec.generate("ROMEO:", SamplingParams(logprobs=1), use_tqdm=False)
+    assert not spec.engine.has_unfinished_requests()

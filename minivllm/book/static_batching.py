@@ -11,14 +11,8 @@ from minivllm.engine.sampler import sample_token
 from minivllm.sampling_params import SamplingParams
 
 
-def generate_static_batch(model, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                          tokenizer=None, max_len: int | None = None) -> list[Completion]:
-    """Generate for a fixed batch of prompts together, each in its own cache row of max_len slots.
-
-    max_len (default: the model's max_model_len) is reserved for every request up front, whatever it
-    will use. params is one SamplingParams for all prompts or one per prompt; each seed drives its own
-    request only, so a request's tokens do not depend on the rest of the batch.
-    """
+def _batch_requests(model, prompts, params, tokenizer, max_len):
+    """One SamplingParams and one StopChecker per prompt, refusing a batch that cannot be served."""
     if not prompts:
         raise ValueError("prompts is empty: a batch needs at least one prompt")
     all_params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
@@ -27,6 +21,18 @@ def generate_static_batch(model, prompts: list[list[int]], params: SamplingParam
     max_len = model.config.max_model_len if max_len is None else max_len
     checkers = [StopChecker(p, tokenizer, max_new_tokens=check_request(model, prompt, p, max_len, f"prompts[{i}]"))
                 for i, (prompt, p) in enumerate(zip(prompts, all_params))]
+    return all_params, checkers, max_len
+
+
+def generate_static_batch(model, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                          tokenizer=None, max_len: int | None = None) -> list[Completion]:
+    """Generate for a fixed batch of prompts together, each in its own cache row of max_len slots.
+
+    max_len (default: the model's max_model_len) is reserved for every request up front, whatever it
+    will use. params is one SamplingParams for all prompts or one per prompt; each seed drives its own
+    request only, so a request's tokens do not depend on the rest of the batch.
+    """
+    all_params, checkers, max_len = _batch_requests(model, prompts, params, tokenizer, max_len)
     device = model.lm_head.weight.device
     cache = ContiguousKVCache.for_model(model, max_seqs=len(prompts), max_len=max_len)
     generators = [None if p.seed is None else torch.Generator(device).manual_seed(p.seed) for p in all_params]

@@ -48,15 +48,28 @@ class StaticPagedGenerator:
         self.kv_cache = PagedKVCache.for_model(model, num_blocks, block_size)
         self.peak_blocks_used = 0
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, on_step=None) -> list[list[Completion]]:
+    def _check_prompts(self, prompts: list[list[int]]) -> int:
+        """Refuse an empty prompt or one with no room to generate; returns max_model_len."""
         max_len = self.model.config.max_model_len
         for i, prompt in enumerate(prompts):
             if not prompt:
                 raise ValueError(f"prompts[{i}] is empty: the model needs at least one token to condition on")
             if len(prompt) >= max_len:
                 raise ValueError(f"prompts[{i}] has {len(prompt)} tokens: no room left in max_model_len={max_len}")
-        self.peak_blocks_used = 0
-        start = time.perf_counter()
+        return max_len
+
+    def _step(self, work, on_step):
+        """One forward pass over `work`; returns the logits of each sequence's last token."""
+        input_ids, positions, metadata = prepare_paged_batch(self.kv_cache, self.manager, work)
+        self.peak_blocks_used = max(self.peak_blocks_used, self.pool.num_blocks - self.pool.num_free)
+        if on_step:
+            on_step(self)
+        hidden = self.model(input_ids, positions, metadata)
+        return self.model.compute_logits(hidden[metadata.query_start_loc[1:] - 1])
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, on_step=None) -> list[list[Completion]]:
+        max_len = self._check_prompts(prompts)
+        self.peak_blocks_used, start = 0, time.perf_counter()
         device = self.kv_cache.kv.device
         seqs: dict[tuple[int, int], _Sequence] = {}
         try:
@@ -87,12 +100,3 @@ class StaticPagedGenerator:
                 self.manager.free(sid)
         return [[Completion(s.prompt_ids, s.output, s.checker.text(s.output), s.finish_reason, start, s.times, s.logprobs)
                  for (i, _), s in seqs.items() if i == prompt_index] for prompt_index in range(len(prompts))]
-
-    def _step(self, work, on_step):
-        """One forward pass over `work`; returns the logits of each sequence's last token."""
-        input_ids, positions, metadata = prepare_paged_batch(self.kv_cache, self.manager, work)
-        self.peak_blocks_used = max(self.peak_blocks_used, self.pool.num_blocks - self.pool.num_free)
-        if on_step:
-            on_step(self)
-        hidden = self.model(input_ids, positions, metadata)
-        return self.model.compute_logits(hidden[metadata.query_start_loc[1:] - 1])

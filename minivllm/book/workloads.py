@@ -82,11 +82,8 @@ class MemorySnapshot:
     waiting: int
 
 
-def contiguous_timeline(requests: list[WorkloadRequest], budget: int, reserve, max_model_len: int, fit=first_fit):
-    """Serve `requests` first come first served from `budget` contiguous token slots, one decode step at a time,
-    each reserving reserve(request, max_model_len) slots when admitted. Yields a MemorySnapshot each step, after
-    admissions, from the first step until the step that admits the last request: the time the server is under load.
-    """
+def _reservations(requests: list[WorkloadRequest], budget: int, reserve, max_model_len: int) -> list[int]:
+    """Each request's reservation, refusing a budget, request or reservation the simulation cannot serve."""
     if not isinstance(budget, int) or budget < 1:
         raise ValueError(f"budget = {budget!r}: must be an integer >= 1 (token slots)")
     sizes = [reserve(r, max_model_len) for r in requests]
@@ -96,6 +93,15 @@ def contiguous_timeline(requests: list[WorkloadRequest], budget: int, reserve, m
         if not request.total_len <= size <= budget:
             raise ValueError(f"requests[{i}]: reserves {size} slots; must be between its {request.total_len} tokens "
                              f"and the budget of {budget}")
+    return sizes
+
+
+def contiguous_timeline(requests: list[WorkloadRequest], budget: int, reserve, max_model_len: int, fit=first_fit):
+    """Serve `requests` first come first served from `budget` contiguous token slots, one decode step at a time,
+    each reserving reserve(request, max_model_len) slots when admitted. Yields a MemorySnapshot each step, after
+    admissions, from the first step until the step that admits the last request: the time the server is under load.
+    """
+    sizes = _reservations(requests, budget, reserve, max_model_len)
     waiting = deque(zip(requests, sizes))
     allocations, running = [], []  # running: [start, size, request, tokens stored]
     while waiting:

@@ -51,7 +51,8 @@ class KVCacheManager:
         self.pool.share(self.block_tables[child])
 
     def free(self, seq_id) -> None:
-        """Give back a sequence's blocks, last block first (ch. 7: the longest prefixes survive longest)."""
+        """Give back a sequence's blocks, last block first: its first blocks, the likeliest to be shared,
+        then sit at the back of the free queue and survive longest (ch. 7)."""
         self.pool.free(self.block_tables.pop(seq_id, [])[::-1])
 
     # What chapter 6's scheduler calls, with a request; chapter 7's prefix cache overrides these three.

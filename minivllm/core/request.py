@@ -32,6 +32,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # chapter 9: draft tokens awaiting verification
     draft_probs: torch.Tensor | None = None  # chapter 9: the distributions the drafts were drawn from
     num_draft_computed_tokens: int = 0  # chapter 9: its tokens in the draft model's cache
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)  # if params.logprobs
     status: str = "waiting"  # waiting, running, finished
     finish_reason: str | None = None
     num_preemptions: int = 0

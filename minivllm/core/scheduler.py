@@ -108,17 +108,17 @@ class Scheduler:
         request.status, request.finish_reason = "finished", reason
         request.finished_time = time.perf_counter()
 
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           new_token_ids: dict[Request, list[int]]) -> list[Request]:
-        """After the forward pass: count the computed tokens, append the new ones, finish the requests that
-        stopped. Returns the requests that got tokens."""
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output) -> list[Request]:
+        """After the forward pass: count the computed tokens, append the new ones (and their log-probabilities),
+        finish the requests that stopped. Returns the requests that got tokens."""
         changed, now = [], time.perf_counter()
         for request, num_scheduled in scheduler_output.scheduled:
             request.num_computed_tokens += num_scheduled
-            tokens = new_token_ids.get(request)
+            tokens = runner_output.new_token_ids.get(request)
             if tokens is None:  # a prefill chunk: its logits predict a token of its own prompt
                 continue
             request.spec_token_ids, request.draft_probs = [], None  # verified (chapter 9)
+            request.logprobs += runner_output.logprobs.get(request, [])
             reason = None
             for token in tokens:
                 request.output_token_ids.append(token)

@@ -3,30 +3,33 @@
 import asyncio
 import uuid
 
+from minivllm.engine.llm_engine import EngineStepError
 from minivllm.sampling_params import SamplingParams
 
 
 class AsyncLLM:
     """Chapter 6's engine behind an asyncio front. Any number of coroutines submit requests and read their
-    outputs as they grow; one loop owns the engine, feeds it new requests and aborts between steps, and runs
-    each step in a worker thread so that the event loop keeps accepting connections and streaming."""
+    outputs as they grow. One loop owns the engine and hands all of its work to a worker thread, so that the
+    event loop keeps accepting connections and streaming while the engine computes."""
 
     def __init__(self, llm):
         self.llm, self.engine, self.tokenizer = llm, llm.engine, llm.tokenizer
-        self._inbox: list[tuple] = []  # (request_id, prompt_token_ids, params, prompt) for the next step
+        self._inbox: list[tuple] = []  # requests for the engine's next turn
         self._aborts: list[str] = []
         self._streams: dict[str, asyncio.Queue] = {}
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._closing = False
+        self.snapshot = self._snapshot()  # the engine's numbers after its last turn, for /metrics
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None):
-        """Yield the request's RequestOutput each time it grows; the last one has finished=True.
-        Bad input raises ValueError here, before the engine sees the request."""
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
+                       cache_salt: str | None = None):
+        """Yield the request's RequestOutput each time it grows; the last one has finished=True. Bad input
+        raises ValueError before the engine sees the request; a failed step raises RuntimeError."""
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        self.engine.validate(request_id, prompt_token_ids, params)
+        self.engine.validate(request_id, prompt_token_ids, params, cache_salt)  # cheap; changes nothing
         queue = self._streams[request_id] = asyncio.Queue()
-        self._inbox.append((request_id, prompt_token_ids, params, prompt))
+        self._inbox.append((request_id, prompt_token_ids, params, prompt, cache_salt))
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.create_task(self._run_engine())
         self._wake.set()
@@ -34,9 +37,9 @@ class AsyncLLM:
         try:
             while not finished:
                 output = await queue.get()
-                if isinstance(output, Exception):
+                if isinstance(output, Exception):  # this request failed; the engine has let it go
                     finished = True
-                    raise RuntimeError(f"the engine failed: {output!r}") from output
+                    raise output
                 finished = output.finished
                 yield output
         finally:
@@ -48,48 +51,65 @@ class AsyncLLM:
         while not self._closing:
             await self._wake.wait()
             self._wake.clear()
-            while (self._inbox or self._aborts or self.engine.has_unfinished_requests()) and not self._closing:
-                while self._inbox:
-                    request_id, prompt_token_ids, params, prompt = self._inbox.pop(0)
-                    try:
-                        self.engine.add_request(request_id, prompt_token_ids, params, prompt)
-                    except Exception as error:  # fails this request alone
-                        self._fail(request_id, error)
-                for request_id in self._aborts:
-                    self.engine.abort_request(request_id)
-                    self._release(request_id)
-                self._aborts.clear()
-                if not self.engine.has_unfinished_requests():
-                    continue
-                try:
-                    outputs = await asyncio.to_thread(self.engine.step)
-                except Exception as error:  # a bug, not bad input: fail the engine's requests, keep serving
-                    for request_id in list(self.engine.output_processor.parents):
-                        self.engine.abort_request(request_id)
-                        self._fail(request_id, error)
-                    continue
+            while (self._inbox or self._aborts or self.snapshot["unfinished"]) and not self._closing:
+                adds, aborts = self._inbox, self._aborts
+                self._inbox, self._aborts = [], []
+                outputs, failed, self.snapshot = await asyncio.to_thread(self._turn, adds, aborts)
+                for request_id, error in failed.items():
+                    self._deliver(request_id, error)
                 for output in outputs:
-                    if output.request_id in self._streams:
-                        self._streams[output.request_id].put_nowait(output)
-                    if output.finished:
-                        self._release(output.request_id)
+                    self._deliver(output.request_id, output)
+                for request_id in aborts:
+                    self._streams.pop(request_id, None)
 
-    def _fail(self, request_id: str, error: Exception) -> None:
-        if request_id in self._streams:
-            self._streams[request_id].put_nowait(error)
-        self._release(request_id)
+    def _deliver(self, request_id: str, item) -> None:
+        queue = self._streams.get(request_id)
+        if queue is not None:
+            queue.put_nowait(item)
+        if isinstance(item, Exception) or item.finished:
+            self._streams.pop(request_id, None)
 
-    def _release(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
+    def _turn(self, adds: list[tuple], aborts: list[str]):
+        engine, failed, outputs = self.engine, {}, []
+        for request_id, prompt_token_ids, params, prompt, cache_salt in adds:
+            try:
+                engine.add_request(request_id, prompt_token_ids, params, prompt, cache_salt)
+            except Exception as error:  # refused, or a bug: this request alone
+                failed[request_id] = error
+        for request_id in aborts:
+            engine.abort_request(request_id)
+        try:
+            outputs = engine.step() if engine.has_unfinished_requests() else []
+        except EngineStepError as error:  # the engine aborted the step's requests; the others go on
+            failed |= {request_id: RuntimeError(f"the engine failed: {error}") for request_id in error.request_ids}
+        except Exception as error:  # outside the forward pass: no telling whom it hurt, so end them all
+            for request_id in list(engine.output_processor.parents):
+                engine.abort_request(request_id)
+                failed[request_id] = RuntimeError(f"the engine failed: {error!r}")
+        for request_id in [o.request_id for o in outputs if o.finished] + aborts + list(failed):
+            self._forget(request_id)
+        return outputs, failed, self._snapshot()
+
+    def _forget(self, request_id: str) -> None:
         if request_id in self.engine.output_processor.parents:
             self.engine.release(request_id)
 
+    def _snapshot(self) -> dict:
+        stats, scheduler = self.engine.stats(), self.engine.scheduler
+        return {**stats, "num_requests_running": len(scheduler.running),
+                "num_requests_waiting": len(scheduler.waiting),
+                "kv_cache_usage_perc": 1 - stats["kv_blocks_free"] / stats["kv_blocks_total"],
+                "unfinished": self.engine.has_unfinished_requests()}
+
     async def shutdown(self) -> None:
-        """Stop the engine loop after the step in progress, and abort whatever is still running."""
+        """Stop the engine loop after the turn in progress, abort what still runs, and end its streams."""
         self._closing = True
         self._wake.set()
         if self._loop_task is not None:
             await self._loop_task
-        for request_id in list(self.engine.output_processor.parents):
-            self.engine.abort_request(request_id)
-            self._release(request_id)
+        self._inbox.clear()
+        _, _, self.snapshot = await asyncio.to_thread(self._turn, [], list(self.engine.output_processor.parents))
+        for request_id in list(self._streams):
+            self._deliver(request_id, RuntimeError("the server is shutting down"))
+        self._aborts.clear()
+        self._closing, self._loop_task = False, None

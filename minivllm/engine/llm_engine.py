@@ -87,10 +87,10 @@ class LLMEngine:
         if not scheduler_output.scheduled:
             return []
         try:
-            new_token_ids = self.model_runner.execute(scheduler_output)
+            runner_output = self.model_runner.execute(scheduler_output)
         except Exception as error:
             raise EngineStepError(error, self._fail(scheduler_output)) from error
-        changed = self.scheduler.update_from_output(scheduler_output, new_token_ids)
+        changed = self.scheduler.update_from_output(scheduler_output, runner_output)
         return self.output_processor.make_outputs(changed)
 
     def _fail(self, scheduler_output) -> list[str]:

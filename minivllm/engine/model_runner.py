@@ -7,6 +7,7 @@ from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.request import Request
 from minivllm.core.scheduler import SchedulerOutput
 from minivllm.engine.sampler import Sampler
+from minivllm.outputs import ModelRunnerOutput
 
 
 def prepare_paged_batch(kv_cache: PagedKVCache, manager: KVCacheManager, work: list[tuple[object, list[int], int]],
@@ -45,7 +46,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generator = torch.Generator(kv_cache.kv.device).manual_seed(seed)  # for requests without a seed
 
-    def execute(self, scheduler_output: SchedulerOutput) -> dict[Request, list[int]]:
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         scheduled = scheduler_output.scheduled
         work = [(r.request_id, self.tokens_to_run(r, n), r.num_computed_tokens) for r, n in scheduled]
         input_ids, positions, metadata = prepare_paged_batch(self.kv_cache, self.kv_manager, work, self.backend)
@@ -59,11 +60,12 @@ class ModelRunner:
         known = request.all_token_ids[start:start + n]
         return known + request.spec_token_ids[:n - len(known)]
 
-    def sample(self, scheduled, hidden: torch.Tensor, query_start_loc: torch.Tensor) -> dict[Request, list[int]]:
+    def sample(self, scheduled, hidden: torch.Tensor, query_start_loc: torch.Tensor) -> ModelRunnerOutput:
         """New tokens for the requests that are caught up, from the logits of their last position."""
         rows = [i for i, (r, n) in enumerate(scheduled) if r.num_computed_tokens + n >= r.num_tokens]
         if not rows:
-            return {}
+            return ModelRunnerOutput({})
         requests = [scheduled[i][0] for i in rows]
         logits = self.model.compute_logits(hidden[query_start_loc[1:][rows] - 1])
-        return {r: [token] for r, token in zip(requests, self.sampler(logits, requests, self.generator))}
+        tokens = self.sampler(logits, requests, self.generator)
+        return ModelRunnerOutput({r: [t] for r, t in zip(requests, tokens)}, self.sampler.logprobs(logits, requests, tokens))

@@ -20,7 +20,8 @@ class OutputProcessor:
     def output(self, request_id: str) -> RequestOutput:
         children = self.parents[request_id]
         outputs = [CompletionOutput(i, c.stop_checker.text(c.output_token_ids) or "", list(c.output_token_ids),
-                                    c.finish_reason) for i, c in enumerate(children)]
+                                    c.finish_reason, None if c.params.logprobs is None else list(c.logprobs))
+                   for i, c in enumerate(children)]
         first_tokens = [c.first_token_time for c in children if c.first_token_time is not None]
         scheduled = [c.first_scheduled_time for c in children if c.first_scheduled_time is not None]
         finished = all(c.status == "finished" for c in children)

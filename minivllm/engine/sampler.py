@@ -73,3 +73,19 @@ class Sampler:
             noise.clamp_(min=torch.finfo(noise.dtype).tiny)
             tokens[rows] = (probs / noise).argmax(-1)
         return tokens.tolist()
+
+    @staticmethod
+    def logprobs(logits: torch.Tensor, requests: list[Request], tokens: list[int]) -> dict[Request, list]:
+        """For the requests that ask (SamplingParams.logprobs = k): the sampled token's log-probability under
+        the model's raw logits, and its k most likely alternatives, as vLLM returns them."""
+        rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        if not rows:
+            return {}
+        logprobs = logits[rows].float().log_softmax(-1)
+        top = logprobs.topk(max(requests[i].params.logprobs for i in rows), -1)
+        entries = {}
+        for row, i in enumerate(rows):
+            k = requests[i].params.logprobs
+            alternatives = list(zip(top.indices[row, :k].tolist(), top.values[row, :k].tolist()))
+            entries[requests[i]] = [(logprobs[row, tokens[i]].item(), alternatives)]
+        return entries

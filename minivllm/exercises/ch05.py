@@ -2,7 +2,7 @@
 
 import torch
 
-from minivllm.exercises import close, exercise, expect
+from minivllm.exercises import CheckFailed, close, exercise, expect
 
 
 @exercise("05.slot_mapping")
@@ -54,4 +54,78 @@ def _blocks_needed():
         ("a decode that opens a block", case(33, 2, 16, 1)),
         ("exactly full", case(32, 1, 16, 1)),
         ("already more than enough", case(5, 3, 4, 0)),
+    ]
+
+
+@exercise("05.allocate")
+def _allocate():
+    """The reader's allocate(manager, seq_id, start, count) replaces KVCacheManager.allocate in chapter 5's
+    StaticPagedGenerator: n greedy samples of each prompt are forked, sharing the prompt's blocks."""
+    from minivllm.book.mechanism_checks import divergence, greedy_reference, passage_prompts, tiny_model
+    from minivllm.book.static_paged import StaticPagedGenerator
+    from minivllm.core.block_pool import BlockPool, NoFreeBlocksError
+    from minivllm.core.kv_cache_manager import KVCacheManager
+    from minivllm.sampling_params import SamplingParams
+
+    def manager_class(allocate):
+        class ReaderManager(KVCacheManager):
+            num_copies = 0
+
+            def allocate(self, seq_id, start, count):
+                before = len(self.pending_copies)
+                allocate(self, seq_id, start, count)
+                self.num_copies += len(self.pending_copies) - before
+        return ReaderManager
+
+    def run(allocate, lengths, n, block_size, num_blocks=64, max_tokens=8):
+        model, tokenizer, _ = tiny_model()
+        generator = StaticPagedGenerator(model, num_blocks, block_size, tokenizer)
+        generator.manager = manager_class(allocate or KVCacheManager.allocate)(generator.pool, block_size)
+        prompts = passage_prompts(lengths)
+        samples = generator.generate(prompts, SamplingParams(temperature=0, n=n, max_tokens=max_tokens, ignore_eos=True))
+        return generator, prompts, samples
+
+    def forked(lengths, n, block_size):
+        def test(allocate):
+            generator, prompts, samples = run(allocate, lengths, n, block_size)
+            for i, (prompt, group) in enumerate(zip(prompts, samples)):
+                want = greedy_reference(prompt, 8)
+                for j, sample in enumerate(group):
+                    where = divergence(list(sample.token_ids), want)
+                    expect(where is None, f"prompt {i} ({len(prompt)} tokens), sample {j}: {where}")
+            pool = generator.pool
+            expect(pool.num_free == pool.num_blocks and not any(pool.ref_counts),
+                   f"after generate, {pool.num_blocks - pool.num_free} blocks still held "
+                   f"(reference counts {[(b, r) for b, r in enumerate(pool.ref_counts) if r]}): a block was leaked")
+            want_copies = sum((n - 1) * (len(p) % block_size != 0) for p in prompts)
+            expect(generator.manager.num_copies == want_copies,
+                   f"{generator.manager.num_copies} copy-on-write copies, expected {want_copies}: each of the "
+                   f"first n - 1 samples writing into a shared, partly filled last block copies it; "
+                   f"a block-aligned prompt, or a block nobody else holds, is not copied")
+            reference = run(None, lengths, n, block_size)[0]
+            expect(generator.peak_blocks_used == reference.peak_blocks_used,
+                   f"peak {generator.peak_blocks_used} blocks in use, expected {reference.peak_blocks_used}")
+        return test
+
+    def all_or_nothing(allocate):
+        manager = manager_class(allocate)(BlockPool(3), 4)
+        allocate(manager, "a", 0, 8)
+        expect(manager.block_tables.get("a") is not None and len(manager.block_tables["a"]) == 2,
+               f"8 tokens, block size 4: table {manager.block_tables.get('a')}, expected 2 blocks")
+        table, free = list(manager.block_tables["a"]), manager.pool.num_free
+        try:
+            allocate(manager, "a", 8, 12)  # 3 more blocks, 1 free
+        except NoFreeBlocksError:
+            pass
+        else:
+            raise CheckFailed("positions 8..19 need 3 more blocks with 1 free: expected NoFreeBlocksError")
+        expect(manager.block_tables["a"] == table and manager.pool.num_free == free,
+               f"a refused allocation changed the table ({table} -> {manager.block_tables['a']}) "
+               f"or the free count ({free} -> {manager.pool.num_free}): it must change nothing")
+
+    return [
+        ("refused when short, changing nothing", all_or_nothing),
+        ("n = 3 samples, prompts with partial last blocks (block size 4)", forked([13, 22], 3, 4)),
+        ("n = 2 samples, a block-aligned prompt among others (block size 8)", forked([16, 21, 9], 2, 8)),
+        ("n = 4 samples, block size 16", forked([35], 4, 16)),
     ]

@@ -48,3 +48,86 @@ def _chain():
         ("block size 4", case(17, 4, None)),
         ("a salt enters the first block", case(48, 16, "tenant-a")),
     ]
+
+
+@exercise("07.computed_blocks")
+def _computed_blocks():
+    """The reader's get_computed_blocks(manager, request) -> (blocks, num_tokens) replaces the prefix cache's
+    lookup in a real LLMEngine with prefix caching on; tokens and cached counts are checked."""
+    from minivllm.book.mechanism_checks import divergence, greedy_reference, passage_prompts, run_engine
+    from minivllm.config import EngineConfig
+    from minivllm.core.kv_cache_manager import PrefixCachingKVCacheManager
+
+    def manager(lookup, config):
+        class ReaderManager(PrefixCachingKVCacheManager):
+            def get_computed_blocks(self, request):
+                blocks, num_tokens = lookup(self, request)
+                blocks = list(blocks)
+                expect(num_tokens == len(blocks) * self.block_size,
+                       f"request {request.request_id}: {len(blocks)} blocks but {num_tokens} tokens")
+                expect(num_tokens < request.num_tokens, f"request {request.request_id}: all {request.num_tokens} "
+                       f"tokens found cached, but its last token must be computed (its logits are needed)")
+                return blocks, num_tokens
+        return ReaderManager(config.num_kv_blocks, config.block_size)
+
+    def case(prompts, blocks, seqs, salts=None, max_tokens=6):
+        def test(get_computed_blocks):
+            config = EngineConfig(block_size=4, num_kv_blocks=blocks, max_num_seqs=seqs, max_num_batched_tokens=64,
+                                  enable_prefix_caching=True)
+            engine, outputs = run_engine(prompts, max_tokens, config, kv_manager=manager(get_computed_blocks, config),
+                                         salts=salts)
+            reference, _ = run_engine(prompts, max_tokens, config, salts=salts)
+            for i, prompt in enumerate(prompts):
+                where = divergence(outputs[i], greedy_reference(prompt, max_tokens))
+                expect(where is None, f"request {i} ({len(prompt)}-token prompt): {where}")
+            for i, prompt in enumerate(prompts):
+                got, want = engine.output(str(i)).num_cached_tokens, reference.output(str(i)).num_cached_tokens
+                expect(got == want, f"request {i} ({len(prompt)}-token prompt): {got} cached tokens, expected {want}")
+        return test
+
+    shared = passage_prompts([41])[0]
+    others = passage_prompts([9, 14, 5, 11, 20], offset=400)
+    with_tail = [shared + tail for tail in others]
+    return [
+        ("a shared 41-token prefix, five tails", case(with_tail, 200, 2)),
+        ("identical block-aligned prompts: the last block is recomputed", case([shared[:40]] * 3, 200, 1)),
+        ("a tail that differs inside block 2", case([shared, shared[:9] + others[0] + shared[18:]], 200, 1)),
+        ("a tight cache: 24 blocks of 4, one request at a time, LRU eviction",
+         case([shared + others[0], others[1] + shared, shared + others[2], others[3] * 4, shared[:30]], 24, 1)),
+        ("salted requests share only with their own salt",
+         case([shared + t for t in others[:4]], 200, 1, salts=["a", "b", "a", None])),
+    ]
+
+
+@exercise("07.predict_cached")
+def _predict_cached():
+    """The reader predicts, from two texts, how many of B's tokens the engine serves from cache after A ran;
+    the check sends A then B to a real LLMEngine and compares with B's num_cached_tokens."""
+    from minivllm.book.mechanism_checks import run_engine, tiny_model
+    from minivllm.book.texts import PASSAGES
+    from minivllm.config import EngineConfig
+
+    def case(text_a, text_b, block_size, what):
+        def test(predict_cached):
+            tokenizer = tiny_model()[1]
+            a, b = tokenizer(text_a).input_ids, tokenizer(text_b).input_ids
+            got = predict_cached(text_a, text_b, tokenizer, block_size)
+            config = EngineConfig(block_size=block_size, num_kv_blocks=400, max_num_seqs=1,
+                                  enable_prefix_caching=True)
+            engine, _ = run_engine([a, b], 1, config)
+            actual = engine.output("1").num_cached_tokens
+            d = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            expect(got == actual, f"{what}: predicted {got}, the engine served {actual} of B's {len(b)} tokens from "
+                                  f"cache (A {len(a)} tokens, first differing token {d}, block size {block_size})")
+        return test
+
+    hamlet, jaques = PASSAGES["HAMLET"], PASSAGES["JAQUES"]
+    return [
+        ("a new question after the same text", case(hamlet + "\nQ: who?", hamlet + "\nQ: where?", 16, "new question")),
+        ("one character changed inside a word", case(hamlet, hamlet.replace("outrageous", "outrageouz"), 16,
+                                                     "'outrageous' -> 'outrageouz'")),
+        ("B extends A", case(jaques[:200], jaques, 8, "B = A + more text")),
+        ("identical texts", case(jaques, jaques, 4, "the same text twice")),
+        ("B is a prefix of A", case(hamlet, hamlet[:300], 16, "B = the first 300 characters of A")),
+        ("a change in the first word", case(hamlet, "So" + hamlet[2:], 16, "'To be' -> 'So be'")),
+    ]

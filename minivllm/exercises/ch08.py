@@ -1,10 +1,12 @@
-"""Chapter 8 exercises: the pieces of the kernels' algorithm, in plain PyTorch (no triton needed)."""
+"""Chapter 8 exercises: the pieces of the kernels' algorithm in plain PyTorch, and one tile of the decode kernel
+itself, run in Triton's interpreter."""
 
 import math
+from types import SimpleNamespace
 
 import torch
 
-from minivllm.exercises import close, exercise, expect
+from minivllm.exercises import CheckFailed, close, exercise, expect
 
 
 def _attention(q, k, v):
@@ -93,4 +95,140 @@ def _prefill_key_range():
         ("a chunk over a cached prefix", case(530, 30, 1, 16)),
         ("a decode: one query after 40 cached tokens", case(41, 1, 0, 16)),
         ("the last, partly filled tile of a long chunk", case(1000, 500, 31, 16)),
+    ]
+
+
+def _interpreted_kernel_module():
+    """chapter 8's exercise kernel, defined in Triton's interpreter; None if triton was imported before the
+    interpreter could be switched on (or a CUDA GPU compiles kernels here)."""
+    import os
+
+    from minivllm.kernels.interpreter import triton_available, use_interpreter_without_gpu
+
+    if not triton_available() or not use_interpreter_without_gpu() or os.environ.get("TRITON_INTERPRET") != "1":
+        return None
+    from minivllm.book import decode_tile
+
+    return decode_tile
+
+
+def _run_tile_update(tile_update, *args, **kwargs):
+    """The exercise kernel with the reader's tile update; a stub's NotImplementedError comes out as itself."""
+    module = _interpreted_kernel_module()
+    if module is None:
+        tile_update(None, None, None, None, None)  # a stub says so here
+        expect(False, "this check runs the kernel in Triton's interpreter: call "
+                      "minivllm.kernels.interpreter.use_interpreter_without_gpu() before anything imports triton "
+                      "(on a CUDA machine, start Python with TRITON_INTERPRET=1)")
+    from triton.runtime.errors import InterpreterError
+
+    try:
+        return module.decode_with_tile_update(tile_update, *args, **kwargs)
+    except InterpreterError as error:
+        if isinstance(error.__cause__, NotImplementedError):
+            raise NotImplementedError from None
+        cause = error.__cause__ or error
+        raise CheckFailed(f"the kernel failed inside your tile update: {type(cause).__name__}: {cause}") from None
+
+
+def _paged_decode_batch(seq_lens, block_size, num_heads, num_kv_heads, head_dim=32, seed=0):
+    """A random paged cache, its blocks in shuffled order, and one decode step for sequences of seq_lens."""
+    from minivllm.attention.paged import PagedAttention, PagedKVCache
+
+    gen = torch.Generator().manual_seed(seed)
+    blocks = [math.ceil(n / block_size) for n in seq_lens]
+    shape = SimpleNamespace(num_layers=1, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    cache = PagedKVCache(shape, sum(blocks), block_size)
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=gen))
+    free = torch.randperm(sum(blocks), generator=gen).tolist()
+    tables = [[free.pop() for _ in range(n)] + [0] * (max(blocks) - n) for n in blocks]
+    slots = [tables[i][(n - 1) // block_size] * block_size + (n - 1) % block_size for i, n in enumerate(seq_lens)]
+    metadata = PagedAttention(cache, torch.tensor(slots), torch.arange(len(seq_lens) + 1), torch.tensor(seq_lens),
+                              torch.tensor(tables, dtype=torch.int32))
+    q, k, v = (torch.randn(len(seq_lens), heads, head_dim, generator=gen)
+               for heads in (num_heads, num_kv_heads, num_kv_heads))
+    return metadata, q, metadata.attend(0, q, k, v)  # the reference writes this step's k, v, then attends
+
+
+_GREEDY_PROMPTS = ["ROMEO:\n", "First Citizen:\nWe are accounted poor citizens, the patricians good.\n",
+                   "To be, or not to be"]
+_GREEDY_TOKENS = 12
+
+
+def _transformers_greedy(prompts, max_tokens):
+    """transformers' greedy tokens for each prompt, with the embedded model: the ground truth."""
+    from transformers import AutoModelForCausalLM
+
+    from minivllm.model.loader import DEFAULT_MODEL
+
+    key = (tuple(prompts), max_tokens)
+    if key not in _HF_CACHE:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+        model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
+        expected = []
+        for text in prompts:
+            ids = tokenizer(text, return_tensors="pt").input_ids
+            with torch.no_grad():
+                out = model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
+            expected.append(out[0, ids.shape[1]:].tolist())
+        _HF_CACHE[key] = expected
+    return _HF_CACHE[key]
+
+
+_HF_CACHE: dict = {}
+
+
+def first_divergence(got: list[list[int]], expected: list[list[int]], prompts) -> str | None:
+    """'request i (prompt ...): token j is x, transformers says y' for the first request that differs."""
+    for i, (tokens, want) in enumerate(zip(got, expected)):
+        if list(tokens) != want:
+            j = next((j for j, (a, b) in enumerate(zip(tokens, want)) if a != b), min(len(tokens), len(want)))
+            mine = tokens[j] if j < len(tokens) else "missing"
+            return (f"request {i} (prompt {prompts[i][:24]!r}) diverged at generated token {j}: {mine}, "
+                    f"transformers says {want[j] if j < len(want) else 'nothing more'}")
+    return None
+
+
+@exercise("08.tile_update")
+def _tile_update():
+    def against_reference(seq_lens, block_size, group, block_n, seed):
+        def test(tile_update):
+            ref, q, expected = _paged_decode_batch(seq_lens, block_size, 2 * group, 2, seed=seed)
+            k_cache, v_cache = ref.kv_cache.layer(0)
+            got = _run_tile_update(tile_update, q, k_cache, v_cache, ref.block_tables, ref.seq_lens, block_n=block_n)
+            expect(isinstance(got, torch.Tensor), "the kernel did not produce a tensor")
+            for i, n in enumerate(seq_lens):
+                error = (got[i] - expected[i]).abs().max().item()
+                expect(error < 1e-4, f"sequence {i} ({n} keys, tiles of {block_n}, blocks of {block_size}): "
+                                     f"max abs difference {error:.2e} from chapter 5's reference")
+        return test
+
+    def engine_greedy(tile_update):
+        from minivllm.attention.paged import PagedAttention
+        from minivllm.entrypoints.llm import LLM
+        from minivllm.sampling_params import SamplingParams
+
+        class ReaderDecodeAttention(PagedAttention):
+            """Chapter 5's backend whose decodes go through the exercise kernel with the reader's tile update."""
+
+            def _decode(self, q, k_cache, v_cache, block_tables, seq_lens):
+                return _run_tile_update(tile_update, q, k_cache, v_cache, block_tables, seq_lens, block_n=16)
+
+        llm = LLM(num_kv_blocks=32, attention_backend="torch", device="cpu")
+        llm.engine.model_runner.backend = ReaderDecodeAttention
+        params = SamplingParams(temperature=0, max_tokens=_GREEDY_TOKENS, ignore_eos=True)
+        outputs = llm.generate(_GREEDY_PROMPTS, params, use_tqdm=False)
+        problem = first_divergence([o.outputs[0].token_ids for o in outputs],
+                                   _transformers_greedy(_GREEDY_PROMPTS, _GREEDY_TOKENS), _GREEDY_PROMPTS)
+        expect(problem is None, problem)
+
+    return [
+        ("one tile, one key (the running max starts at -inf)", against_reference([1, 7], 4, 1, 16, 0)),
+        ("several tiles over scattered blocks, 2 query heads per kv head",
+         against_reference([5, 16, 17, 50], 4, 2, 16, 1)),
+        ("tiles that span blocks, partly filled last tiles, 4 query heads per kv head",
+         against_reference([31, 64, 70], 8, 4, 16, 2)),
+        ("the engine's greedy decode with your kernel matches transformers, 3 requests x 12 tokens", engine_greedy),
     ]

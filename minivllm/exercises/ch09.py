@@ -105,3 +105,61 @@ def _verify_sampled():
         ("fixed guesses (draft_probs=None): the outputs follow the target", distribution(one_hot=True)),
         ("a draft equal to the target is always accepted", perfect_draft),
     ]
+
+
+_SPEC_PROMPTS = [(0, 120), (400, 520), (1300, 1450)]  # slices of the corpus
+_SPEC_TOKENS = 24
+
+
+def _spec_prompts():
+    from minivllm.book.texts import CORPUS
+
+    return [CORPUS[a:b] for a, b in _SPEC_PROMPTS]
+
+
+@exercise("09.verify_greedy")
+def _verify_greedy():
+    def case(target_argmax, drafts, want, what):
+        def test(verify_greedy):
+            got = verify_greedy(list(target_argmax), list(drafts))
+            expect(isinstance(got, list) and got == want,
+                   f"{what}: verify_greedy({target_argmax}, {drafts}) = {got!r}, expected {want}")
+        return test
+
+    def in_the_engine(spec):
+        def test(verify_greedy):
+            from minivllm.exercises.ch08 import _transformers_greedy, first_divergence
+            from minivllm.entrypoints.llm import LLM
+            from minivllm.sampling_params import SamplingParams
+            from minivllm.spec_decode.engine import SpecDecodeModelRunner
+
+            class ReaderRunner(SpecDecodeModelRunner):
+                """The speculative runner, verifying greedy drafts with the reader's rule."""
+
+            ReaderRunner.verify_greedy = staticmethod(verify_greedy)
+            llm = LLM(num_kv_blocks=24, max_num_seqs=3, max_num_batched_tokens=64, device="cpu",
+                      speculative_config=spec)
+            llm.engine.model_runner.__class__ = ReaderRunner  # the engine's runner, with the reader's verification
+            prompts = _spec_prompts()
+            params = SamplingParams(temperature=0, max_tokens=_SPEC_TOKENS, ignore_eos=True)
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            problem = first_divergence([o.outputs[0].token_ids for o in outputs],
+                                       _transformers_greedy(prompts, _SPEC_TOKENS), prompts)
+            expect(problem is None, f"{spec['method']}, k={spec['num_speculative_tokens']}: {problem}")
+            stats = llm.stats()
+            expect(stats["spec_decode_num_accepted_tokens"] > 0,
+                   f"{spec['method']}: no draft token was ever accepted, so the check proved nothing")
+        return test
+
+    return [
+        ("every guess agrees: all of them, then the bonus token", case([4, 5, 6, 7], [4, 5, 6], [4, 5, 6, 7], "all")),
+        ("the second guess is wrong: the first, then the target's own", case([4, 9, 6, 7], [4, 5, 6], [4, 9], "2nd")),
+        ("the first guess is wrong: one token, the target's", case([8, 5, 6], [4, 5], [8], "1st")),
+        ("no guesses at all: plain decoding", case([3], [], [3], "none")),
+        ("agreement after a miss does not count", case([1, 2, 3, 4], [1, 9, 3], [1, 2], "later")),
+        ("draft model, k=3, in the engine: the same tokens as transformers",
+         in_the_engine({"method": "draft_model", "num_speculative_tokens": 3})),
+        ("n-gram, k=4, in the engine: the same tokens as transformers",
+         in_the_engine({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+                        "prompt_lookup_min": 2})),
+    ]

@@ -8,26 +8,45 @@ import triton.language as tl
 
 
 @triton.jit
+def load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, keys, key_ok, dims, dim_ok,
+                 stride_table_seq, stride_cache_block, stride_cache_token, stride_cache_head, BLOCK_SIZE: tl.constexpr):
+    """The keys and values at positions `keys` of sequence `seq`, read where they lie: the block table turns a
+    position into its physical block and offset, so a tile may span several blocks. Masked keys load 0."""
+    blocks = tl.load(block_tables_ptr + seq * stride_table_seq + keys // BLOCK_SIZE, mask=key_ok, other=0)
+    rows = (blocks.to(tl.int64) * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_token
+            + kv_head * stride_cache_head)
+    kv_ok = key_ok[:, None] & dim_ok[None, :]
+    k = tl.load(k_cache_ptr + rows[:, None] + dims[None, :], mask=kv_ok, other=0.0)
+    v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=kv_ok, other=0.0)
+    return k, v
+
+
+@triton.jit
+def online_softmax_tile(m, l, acc, scores, v, PRECISION: tl.constexpr):
+    """One tile of online softmax: fold the tile's scores (log2 units, -inf where masked) and values into the
+    running max m, the running sum l of exp2(score - m) and the accumulator acc of exp2(score - m) * v."""
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    alpha = tl.exp2(m - m_new)  # rescales what was summed under the old max
+    p = tl.exp2(scores - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l, acc
+
+
+@triton.jit
 def paged_decode_kernel(
     out_ptr, lse_ptr,  # per split: output [seqs, heads, splits, head_dim] and log2-sum-exp [seqs, heads, splits]
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     scale_log2,  # softmax scale * log2(e): the kernel works with exp2, one instruction on a GPU
-    tokens_per_split,
-    stride_q_token, stride_q_head,
-    stride_cache_block, stride_cache_token, stride_cache_head,
-    stride_table_seq,
+    tokens_per_split, stride_q_token, stride_q_head,
+    stride_cache_block, stride_cache_token, stride_cache_head, stride_table_seq,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    num_heads = tl.num_programs(1) * GROUP
-    num_splits = tl.num_programs(2)
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
 
-    # GQA: the GROUP query heads that share this kv head are rows of one tile, so K and V are read once for all
-    heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)
+    heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)  # GQA: the query heads sharing this kv head, as rows
     head_ok = tl.arange(0, GROUP_PAD) < GROUP
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_ok = dims < HEAD_DIM
@@ -43,26 +62,15 @@ def paged_decode_kernel(
     for tile_start in range(start, end, BLOCK_N):
         keys = tile_start + tl.arange(0, BLOCK_N)
         key_ok = keys < end
-        # the block table turns a key's position into its physical block; a tile may span several blocks
-        blocks = tl.load(block_tables_ptr + seq * stride_table_seq + keys // BLOCK_SIZE, mask=key_ok, other=0)
-        rows = (blocks.to(tl.int64) * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_token
-                + kv_head * stride_cache_head)
-        kv_ok = key_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + rows[:, None] + dims[None, :], mask=kv_ok, other=0.0)
-        v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=kv_ok, other=0.0)
-
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, keys, key_ok, dims, dim_ok,
+                            stride_table_seq, stride_cache_block, stride_cache_token, stride_cache_head, BLOCK_SIZE)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         scores = tl.where(key_ok[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        alpha = tl.exp2(m - m_new)  # rescales what was summed under the old max
-        p = tl.exp2(scores - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        m, l, acc = online_softmax_tile(m, l, acc, scores, v, PRECISION)
 
     has_keys = l > 0  # a split that starts past the end of a short sequence saw no key at all
     l_safe = tl.where(has_keys, l, 1.0)
-    out_rows = (seq * num_heads + heads) * num_splits + split
+    out_rows = (seq * tl.num_programs(1) * GROUP + heads) * tl.num_programs(2) + split  # [seq, head, split]
     tl.store(out_ptr + out_rows[:, None] * HEAD_DIM + dims[None, :], (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty),
              mask=head_ok[:, None] & dim_ok[None, :])
     tl.store(lse_ptr + out_rows, tl.where(has_keys, m + tl.log2(l_safe), float("-inf")), mask=head_ok)
@@ -89,10 +97,6 @@ def merge_splits_kernel(
              mask=dim_ok)
 
 
-DECODE_TILE = dict(block_n=64, num_warps=4, num_stages=2)  # not tuned yet: `make gpu-check` sweeps these
-MIN_TOKENS_PER_SPLIT = 512  # a split shorter than a few tiles spends more on its prologue and merge than it saves
-
-
 def check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens) -> None:
     """ValueError naming the first argument that does not fit the paged layout, before any kernel runs."""
     if q.dim() != 3:
@@ -114,6 +118,10 @@ def check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens) -> None:
     if seq_lens.shape != (block_tables.shape[0],):
         raise ValueError(f"seq_lens has shape {tuple(seq_lens.shape)}: expected ({block_tables.shape[0]},), "
                          "one length per row of block_tables")
+
+
+DECODE_TILE = dict(block_n=64, num_warps=4, num_stages=2)  # not tuned yet: `make gpu-check` sweeps these
+MIN_TOKENS_PER_SPLIT = 512  # a split shorter than a few tiles spends more on its prologue and merge than it saves
 
 
 def dot_precision(dtype: torch.dtype):
@@ -168,16 +176,12 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, max_seq_
 @triton.jit
 def paged_prefill_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    scale_log2,
-    stride_q_token, stride_q_head, stride_out_token, stride_out_head,
-    stride_cache_block, stride_cache_token, stride_cache_head,
-    stride_table_seq,
+    scale_log2, stride_q_token, stride_q_head, stride_out_token, stride_out_head,
+    stride_cache_block, stride_cache_token, stride_cache_head, stride_table_seq,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    q_tile = tl.program_id(1)
-    head = tl.program_id(2)
+    seq, q_tile, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv_head = head // GROUP
     q_start = tl.load(query_start_loc_ptr + seq).to(tl.int32)
     query_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int32) - q_start
@@ -196,30 +200,18 @@ def paged_prefill_kernel(
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
 
-    # causality bounds the loop: no query of this tile sees past its last query's position. A tile past the
-    # sequence's new tokens (the grid is sized for the longest one) has nothing to do.
+    # causality bounds the loop at the tile's last query; a tile past the new tokens has nothing to do
     last_row = tl.minimum(q_tile * BLOCK_M + BLOCK_M, query_len)
     kv_end = tl.where(q_tile * BLOCK_M < query_len, context_len + last_row, 0)
     for tile_start in range(0, kv_end, BLOCK_N):
         keys = tile_start + tl.arange(0, BLOCK_N)
         key_ok = keys < kv_end
-        blocks = tl.load(block_tables_ptr + seq * stride_table_seq + keys // BLOCK_SIZE, mask=key_ok, other=0)
-        kv_rows = (blocks.to(tl.int64) * stride_cache_block + (keys % BLOCK_SIZE) * stride_cache_token
-                   + kv_head * stride_cache_head)
-        kv_ok = key_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_rows[:, None] + dims[None, :], mask=kv_ok, other=0.0)
-        v = tl.load(v_cache_ptr + kv_rows[:, None] + dims[None, :], mask=kv_ok, other=0.0)
-
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, keys, key_ok, dims, dim_ok,
+                            stride_table_seq, stride_cache_block, stride_cache_token, stride_cache_head, BLOCK_SIZE)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        # key 0 is in the first tile and every query sees it, so m is finite from the first tile on
         visible = key_ok[None, :] & (keys[None, :] <= positions[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        scores = tl.where(visible, scores, float("-inf"))  # key 0 is visible to all: m is finite from tile 1 on
+        m, l, acc = online_softmax_tile(m, l, acc, scores, v, PRECISION)
 
     out = acc / tl.where(row_ok, l, 1.0)[:, None]
     tl.store(out_ptr + (q_start + rows)[:, None] * stride_out_token + head * stride_out_head + dims[None, :],

@@ -9,6 +9,7 @@ from safetensors import SafetensorError, safe_open
 
 from minivllm.config import DTYPES, ModelConfig
 from minivllm.model.decoder import CausalLM
+from minivllm.model.gguf_loader import load_gguf
 
 
 DEFAULT_MODEL = Path(str(files("minivllm") / "models" / "tiny-shakespeare"))
@@ -79,12 +80,16 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 def load_model(model: str | Path | None = None, dtype=None, device=None):
-    """Returns (CausalLM, tokenizer) for a checkpoint folder, a hub name, or None (the embedded model).
+    """Returns (CausalLM, tokenizer) for a checkpoint folder, a hub name, None (the embedded model), or a
+    `.gguf` file (the appendix's loader).
 
     A folder without tokenizer files (a bare `save_pretrained` of a model) gives tokenizer None: it can
     still generate from token ids."""
     from transformers import AutoTokenizer
 
+    if model is not None and str(model).endswith(".gguf"):
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        return load_gguf(model, resolve_dtype(dtype or torch.float32, None, device), device)
     folder = resolve_model_path(model)
     config_file = folder / "config.json"
     if not config_file.exists():

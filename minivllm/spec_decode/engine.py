@@ -10,6 +10,7 @@ from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.sampler import sampling_probs
 from minivllm.model.loader import DEFAULT_MODEL, load_model
+from minivllm.outputs import ModelRunnerOutput
 from minivllm.spec_decode.draft_model import DraftModelProposer
 from minivllm.spec_decode.ngram_proposer import NgramProposer
 from minivllm.spec_decode.rejection_sampler import verify_greedy, verify_sampled
@@ -18,6 +19,9 @@ from minivllm.spec_decode.rejection_sampler import verify_greedy, verify_sampled
 class SpecDecodeModelRunner(ModelRunner):
     """Chapter 6's runner, verifying: a caught-up request gets the target's logits at its draft positions and
     one past, and keeps the longest run of drafts the target agrees with, plus one token of the target's."""
+
+    verify_greedy = staticmethod(verify_greedy)  # the rules, looked up on the runner: a subclass can swap one
+    verify_sampled = staticmethod(verify_sampled)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -33,7 +37,7 @@ class SpecDecodeModelRunner(ModelRunner):
                 ready.append((request, drafts))
                 rows += range(ends[i] - len(drafts) - 1, ends[i])
         if not ready:
-            return {}
+            return ModelRunnerOutput({})
         logits = self.model.compute_logits(hidden[rows])
         greedy = logits.argmax(-1).tolist()
         new_tokens, row = {}, 0
@@ -41,18 +45,18 @@ class SpecDecodeModelRunner(ModelRunner):
             span = slice(row, row + len(drafts) + 1)
             row += len(drafts) + 1
             if request.params.greedy:
-                new_tokens[request] = verify_greedy(greedy[span], drafts)
+                new_tokens[request] = self.verify_greedy(greedy[span], drafts)
             else:
                 p = torch.stack([sampling_probs(x, request.params) for x in logits[span]])
                 q = None if request.draft_probs is None else request.draft_probs[:len(drafts)]
                 generator = self.generator if request.generator is None else request.generator
-                new_tokens[request] = verify_sampled(p, drafts, q, generator)
+                new_tokens[request] = self.verify_sampled(p, drafts, q, generator)
             if drafts:
                 self.num_drafts += 1
                 self.num_draft_tokens += len(drafts)
                 for position in range(len(new_tokens[request]) - 1):
                     self.num_accepted_tokens_per_pos[position] += 1
-        return new_tokens
+        return ModelRunnerOutput(new_tokens)
 
 
 DEFAULT_DRAFT_MODEL = DEFAULT_MODEL.parent / "tiny-shakespeare-draft"
@@ -66,7 +70,9 @@ class SpecDecodeEngine(LLMEngine):
 
     runner_class = SpecDecodeModelRunner
 
-    def __init__(self, model, tokenizer, config, backend, speculative_config: dict, share_kv_budget: bool = False):
+    @staticmethod
+    def parse_speculative_config(speculative_config: dict) -> tuple[str, int, dict]:
+        """(method, num_speculative_tokens, options), or a ValueError naming the key that is wrong."""
         options = dict(speculative_config)
         known = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
         if set(options) - known:
@@ -77,6 +83,10 @@ class SpecDecodeEngine(LLMEngine):
         k = options.get("num_speculative_tokens")
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"speculative_config['num_speculative_tokens'] = {k!r}: must be an integer >= 1")
+        return method, k, options
+
+    def __init__(self, model, tokenizer, config, backend, speculative_config: dict, share_kv_budget: bool = False):
+        method, k, options = self.parse_speculative_config(speculative_config)
         if method == "ngram":
             high = options.get("prompt_lookup_max", options.get("prompt_lookup_min", 5))  # vLLM's defaults
             ngram = NgramProposer(high, options.get("prompt_lookup_min", high))
@@ -146,3 +156,8 @@ class SpecDecodeEngine(LLMEngine):
                                   "spec_decode_num_draft_tokens": runner.num_draft_tokens,
                                   "spec_decode_num_accepted_tokens": sum(runner.num_accepted_tokens_per_pos),
                                   "spec_decode_num_accepted_tokens_per_pos": list(runner.num_accepted_tokens_per_pos)}
+
+    def validate(self, request_id: str, prompt_token_ids, params, cache_salt=None) -> None:
+        super().validate(request_id, prompt_token_ids, params, cache_salt)
+        if params.logprobs is not None:  # verification keeps tokens, not the distributions they were chosen from
+            raise ValueError("SamplingParams.logprobs: not available with speculative decoding")

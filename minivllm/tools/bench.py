@@ -203,7 +203,7 @@ def spec(args) -> dict:
 def serve(args) -> dict:
     from minivllm import LLM
     from minivllm.tools.loadgen import run_load, summarize
-    from minivllm.entrypoints.openai_server import BackgroundServer
+    from minivllm.entrypoints.openai.launcher import BackgroundServer
 
     prompts = workload(args.num_prompts, args.min_prompt, args.max_prompt, args.seed)
     warmup = [[t + 1 for t in p] for p in prompts[:4]]  # other tokens: a warm-up must not fill the prefix cache
@@ -212,10 +212,9 @@ def serve(args) -> dict:
         params = make_bench_checkpoint(Path(folder))
         llm = LLM(folder, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
         with BackgroundServer(llm) as server:
-            asyncio.run(run_load(server.host, server.port, warmup, float("inf"), 8))
+            asyncio.run(run_load(server.url, warmup, float("inf"), 8))
             for rate in args.request_rates:
-                timings, seconds = asyncio.run(run_load(server.host, server.port, prompts, rate, args.output_len,
-                                                        args.seed))
+                timings, seconds = asyncio.run(run_load(server.url, prompts, rate, args.output_len, args.seed))
                 results[str(rate)] = summarize(timings, seconds)
                 print(f"rate {rate}: {json.dumps(results[str(rate)])}", flush=True)
     return {"machine": machine(), "checkpoint_parameters": params, "workload": {

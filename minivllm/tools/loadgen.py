@@ -6,6 +6,8 @@ import random
 import time
 from dataclasses import dataclass
 
+import httpx
+
 
 @dataclass
 class RequestTiming:
@@ -34,46 +36,47 @@ class RequestTiming:
         return [b - a for a, b in zip(self.arrivals, self.arrivals[1:])]
 
 
-async def stream_completion(host: str, port: int, payload: dict) -> RequestTiming:
-    """POST one streaming /v1/completions request over a raw socket and time its server-sent events."""
-    reader, writer = await asyncio.open_connection(host, port)
-    body = json.dumps({**payload, "stream": True, "stream_options": {"include_usage": True}}).encode()
+async def stream_completion(client: httpx.AsyncClient, payload: dict) -> RequestTiming:
+    """POST one streaming /v1/completions request and time its server-sent events as they arrive."""
+    body = {**payload, "stream": True, "stream_options": {"include_usage": True}}
     sent = time.perf_counter()
-    writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-    await writer.drain()
-    status = (await reader.readline()).decode()
-    if " 200 " not in status:
-        raise RuntimeError(f"{status.strip()}: {(await reader.read()).decode(errors='replace')}")
     arrivals, pieces, num_tokens = [], [], 0
-    while line := await reader.readline():
-        if not line.startswith(b"data: "):
-            continue  # headers, and the blank line that ends each event
-        if line.strip() == b"data: [DONE]":
-            break
-        event = json.loads(line[len(b"data: "):])
-        if event.get("usage"):
-            num_tokens = event["usage"]["completion_tokens"]
-        for choice in event["choices"]:
-            if choice["text"] or choice["finish_reason"]:  # a request may finish without visible text
-                arrivals.append(time.perf_counter())
-                pieces.append(choice["text"])
-    writer.close()
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue  # the blank line that ends each event
+            if line == "data: [DONE]":
+                break
+            event = json.loads(line[len("data: "):])
+            if "error" in event:
+                raise RuntimeError(f"the stream failed: {event['error']['message']}")
+            if event.get("usage"):
+                num_tokens = event["usage"]["completion_tokens"]
+            for choice in event["choices"]:
+                if choice["text"] or choice["finish_reason"]:  # a request may finish without visible text
+                    arrivals.append(time.perf_counter())
+                    pieces.append(choice["text"])
     return RequestTiming(sent, arrivals, num_tokens, "".join(pieces))
 
 
-async def run_load(host: str, port: int, prompts: list[str], request_rate: float, max_tokens: int,
-                   seed: int = 0) -> tuple[list[RequestTiming], float]:
-    """Send the prompts as a Poisson process of `request_rate` requests a second (inf: all at once), as
-    `vllm bench serve --request-rate` does; greedy, exactly `max_tokens` each. Returns timings, seconds."""
+async def run_load(url: str, prompts: list, request_rate: float, max_tokens: int, seed: int = 0,
+                   model: str | None = None, api_key: str | None = None) -> tuple[list[RequestTiming], float]:
+    """Send the prompts (text or token ids) to the OpenAI-compatible server at `url`, ours or vLLM's, as a
+    Poisson process of `request_rate` requests a second (inf: all at once), as `vllm bench serve
+    --request-rate` does; greedy, exactly `max_tokens` each. Returns the timings and the seconds taken."""
     rng = random.Random(seed)
-    start, tasks = time.perf_counter(), []
-    for prompt in prompts:
-        payload = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-        tasks.append(asyncio.create_task(stream_completion(host, port, payload)))
-        if request_rate != float("inf"):
-            await asyncio.sleep(rng.expovariate(request_rate))
-    timings = await asyncio.gather(*tasks)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=None) as client:
+        start, tasks = time.perf_counter(), []
+        for prompt in prompts:
+            payload = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+            tasks.append(asyncio.create_task(stream_completion(client, payload | ({"model": model} if model else {}))))
+            if request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(request_rate))
+        timings = await asyncio.gather(*tasks)
     return timings, time.perf_counter() - start
 
 

@@ -1,0 +1,172 @@
+"""The OpenAI protocol's request bodies as pydantic models (chapter 10's plumbing, as vLLM's
+`vllm/entrypoints/openai/protocol.py`), the error body, and the conversion of a request into `SamplingParams`.
+
+A body is parsed by pydantic's own JSON parser (`model_validate_json`), not by `json.loads`: it refuses
+nesting deeper than 200 levels, integers of more than 4,300 digits, lone UTF-16 surrogates (`"\\ud800"`)
+and invalid UTF-8 with an ordinary validation error, which the server answers with a 400. The models are
+strict: `"2"` is not an integer and `1` is not a boolean; fields they do not know are refused by name rather
+than silently ignored. Ranges of the sampling fields are checked once, by `SamplingParams` itself
+(minivllm/sampling_checks.py); the ranges below are the protocol's own.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from minivllm.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default --max-logprobs
+MAX_CACHE_SALT_CHARS = 1024
+
+SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop", "stop_token_ids",
+                   "ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+
+
+class APIError(Exception):
+    """An error the client caused (4xx) or the server's (5xx), answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
+               408: "RequestTimeout", 413: "RequestTooLarge", 431: "RequestHeaderFieldsTooLarge",
+               500: "InternalServerError", 503: "ServiceUnavailable"}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    """OpenAI's (and vLLM's `ErrorResponse`) error object."""
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "Error"), "param": param, "code": status}}
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
+class SamplingFields(OpenAIModel):
+    """The fields both generation endpoints share: OpenAI's, plus vLLM's extras (`top_k`, `min_p`,
+    `ignore_eos`, `stop_token_ids`, ..., which the `openai` client sends through `extra_body`)."""
+
+    model: str | None = None
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    user: str | None = None  # accepted and ignored, as by vLLM
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions: one prompt, as text or token ids."""
+
+    prompt: str | list[int]
+    max_tokens: int | None = 16  # OpenAI's and vLLM's default for completions
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+class TextPart(OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions: messages rendered through the model's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # None: the rest of the context, as vLLM
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are given
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+class TokenizeRequest(OpenAIModel):
+    """POST /tokenize, as vLLM's: a prompt, or messages rendered through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (vLLM's)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse(model: type[BaseModel], body: bytes) -> BaseModel:
+    """The body as `model`, or a 400 naming the first wrong field."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as error:
+        raise APIError(400, *describe(error)) from None
+
+
+def describe(error: ValidationError) -> tuple[str, str | None]:
+    """A message and the top-level field it concerns, from pydantic's first error."""
+    first = error.errors(include_url=False, include_input=False)[0]
+    loc = [str(part) for part in first["loc"]]
+    param = loc[0] if loc else None
+    if first["type"] == "extra_forbidden":
+        return f"not supported by minivllm: {'.'.join(loc)}", param
+    if first["type"] == "json_invalid":
+        return f"the body is not valid JSON: {first['msg'].removeprefix('Invalid JSON: ')}", None
+    where = ".".join(part for part in loc if part not in ("str", "int", "float", "bool") and "[" not in part)
+    return (f"{where}: {first['msg']}" if where else first["msg"]), param
+
+
+def to_sampling_params(request: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+    """The request's sampling fields as SamplingParams; a value out of range is a 400 naming the field."""
+    fields = {name: getattr(request, name) for name in SAMPLING_FIELDS if getattr(request, name) is not None}
+    if isinstance(request, ChatCompletionRequest):
+        fields.pop("max_tokens", None)
+        tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        fields["max_tokens"] = tokens  # None: until the end of the context
+    elif request.max_tokens is None:
+        fields["max_tokens"] = None
+    fields["logprobs"] = num_logprobs(request)
+    try:
+        return SamplingParams(**fields)
+    except ValueError as error:  # "SamplingParams.<field> = ...: must be ..."
+        name = str(error).split(" ")[0].removeprefix("SamplingParams.")
+        if name == "max_tokens" and isinstance(request, ChatCompletionRequest) \
+                and request.max_completion_tokens is not None:
+            name = "max_completion_tokens"
+        raise APIError(400, str(error), name if name in SAMPLING_FIELDS or name in ("max_completion_tokens", "logprobs")
+                       else None) from None
+
+
+def num_logprobs(request: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """How many alternatives per token the request wants, or None for no log-probabilities at all."""
+    if isinstance(request, CompletionRequest):
+        return request.logprobs
+    if request.top_logprobs and not request.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+    return (request.top_logprobs or 0) if request.logprobs else None

@@ -47,7 +47,7 @@ def explain_cache(args) -> int:
     from pathlib import Path
 
     from minivllm.model.loader import load_model
-    from minivllm.book.cache_autopsy import explain_cache as autopsy, format_autopsy
+    from minivllm.tools.cache_autopsy import explain_cache as autopsy, format_autopsy
 
     _, tokenizer = load_model(args.model)
 

@@ -12,7 +12,7 @@ from minivllm.config import ModelConfig
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.model.loader import load_weights
-from minivllm.book.cache_autopsy import explain_cache
+from minivllm.tools.cache_autopsy import explain_cache
 from minivllm.core.block_pool import PrefixCachingBlockPool
 from minivllm.core.kv_cache_utils import SEED_HASH, block_hashes, hash_block
 from minivllm.sampling_params import SamplingParams

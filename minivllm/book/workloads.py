@@ -154,15 +154,21 @@ def memory_shares(snapshots, budget: int) -> MemoryShares:
                         sum(s.running for s in snapshots) / steps, steps)
 
 
-def paged_timeline(requests: list[WorkloadRequest], budget: int, block_size: int):
-    """Serve `requests` first come first served from budget // block_size blocks, allocated as tokens arrive.
-    Yields a MemorySnapshot per step, after admissions, until the step that admits the last request."""
+def _paged_budget(requests: list[WorkloadRequest], budget: int, block_size: int) -> int:
+    """The budget's number of blocks, after refusing a block size or a request it cannot serve."""
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size = {block_size!r}: must be an integer >= 1")
     num_blocks = budget // block_size
     for i, request in enumerate(requests):
         if math.ceil(request.total_len / block_size) > num_blocks:
             raise ValueError(f"requests[{i}] = {request}: needs more than the {num_blocks} blocks of the budget")
+    return num_blocks
+
+
+def paged_timeline(requests: list[WorkloadRequest], budget: int, block_size: int):
+    """Serve `requests` first come first served from budget // block_size blocks, allocated as tokens arrive.
+    Yields a MemorySnapshot per step, after admissions, until the step that admits the last request."""
+    num_blocks = _paged_budget(requests, budget, block_size)
     waiting = deque((request, request.prompt_len) for request in requests)  # (request, tokens to store when admitted)
     running, free = [], num_blocks  # running: [request, tokens stored, blocks held]
     while waiting:

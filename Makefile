@@ -35,7 +35,7 @@ notebooks: install
 ## make bench: minivllm against transformers (generate, generate_batch) on the same requests, speculative
 ## decoding (chapter 9) and the server under Poisson load (chapter 10); JSON in bench/results
 bench: install
-	$(PY) -m minivllm.tools.bench compare --out bench/results
+	$(PY) -m minivllm.tools.bench compare --workload all --out bench/results
 	$(PY) -m minivllm.tools.bench spec --num-prompts 16 --output-len 256 --out bench/results
 	$(PY) -m minivllm.tools.bench serve --num-prompts 32 --output-len 128 --out bench/results
 

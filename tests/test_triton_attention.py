@@ -29,6 +29,7 @@ from minivllm.attention.paged import PagedAttention, PagedKVCache
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.engine.model_runner import prepare_paged_batch  # noqa: E402
 from minivllm.attention.triton_backend import TritonPagedAttention  # noqa: E402
+from minivllm.attention.cpu_backend import CPUPagedAttention  # noqa: E402
 from minivllm.kernels.paged_attention import paged_decode_attention, paged_prefill_attention  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -192,7 +193,7 @@ def test_backend_choice():
     if DEVICE.type == "cuda":  # compiled kernels cannot read CPU tensors
         with pytest.raises(ValueError, match="TRITON_INTERPRET"):
             attention_backend_class("triton", torch.device("cpu"))
-    expected_auto = TritonPagedAttention if DEVICE.type == "cuda" else PagedAttention
+    expected_auto = TritonPagedAttention if DEVICE.type == "cuda" else CPUPagedAttention
     assert attention_backend_class("auto", DEVICE) is expected_auto
     with pytest.raises(ValueError, match="attention_backend"):
         attention_backend_class("flash", DEVICE)
@@ -206,7 +207,7 @@ def test_without_triton_the_package_imports_and_falls_back_to_the_reference():
             "try:\n    t.attention_backend_class('triton', torch.device('cpu'))\n"
             "except ImportError as e:\n    print('ImportError', 'pip install triton' in str(e))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["False", "PagedAttention", "ImportError", "True"]
+    assert out == ["False", "CPUPagedAttention", "ImportError", "True"]
 
 
 # ------------------------------------------------------------------ the whole engine, greedy, on both backends

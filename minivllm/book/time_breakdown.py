@@ -1,0 +1,29 @@
+"""Where an engine run spends its time, by kind of work: chapter 8's before-and-after figure.
+
+Python's profiler records the time spent inside each function; the functions that do the work of a step
+are few, so their own times, summed, split the run: the linear layers, the reference backend's gather,
+PyTorch's attention, the C++ decode kernel, and everything else (the profiler's overhead included).
+"""
+
+import cProfile
+import pstats
+import re
+
+PARTS = {"linear layers": ("linear",), "gather (index_select)": ("index_select",),
+         "attention (SDPA)": ("scaled_dot_product_attention",), "C++ decode kernel": ("paged_decode",)}
+
+
+def time_breakdown(llm, prompts, params) -> dict[str, float]:
+    """Seconds per part for one `llm.generate(prompts, params)`, after a short warm-up."""
+    llm.generate(prompts[:1], params, use_tqdm=False)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    llm.generate(prompts, params, use_tqdm=False)
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive calls, own time, cumulative, callers)
+    total = max(cumulative for _, _, _, cumulative, _ in stats.values())
+    parts = {part: sum(own for (_, _, name), (_, _, own, _, _) in stats.items()
+                       if any(re.search(rf"[ .']{n}[>']", name) for n in names))  # "<built-in method torch._C._nn.linear>"
+             for part, names in PARTS.items()}
+    parts["everything else"] = total - sum(parts.values())
+    return parts

@@ -1,0 +1,156 @@
+"""Chapter 8's C++ decode kernel and the CPU backend around it, against chapter 5's reference and transformers."""
+
+import json
+import math
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from minivllm.attention.cpu_backend import CPUPagedAttention
+from minivllm.attention.paged import PagedAttention, PagedKVCache
+from minivllm.attention.selector import attention_backend_class
+from minivllm.config import EngineConfig, ModelConfig
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.kernels.cpu_attention import cpu_attention_available, paged_decode_cpu
+from minivllm.model.loader import load_weights
+from minivllm.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(not cpu_attention_available(), reason="the C++ kernel did not build (make install)")
+
+
+def paged_step(context_lens, query_lens, block_size, num_heads, num_kv_heads, head_dim, dtype=torch.float32, seed=0):
+    """A cache whose blocks are scattered in random order (two never used), and one step's metadata arguments and
+    q, k, v: sequence i has context_lens[i] cached tokens and brings query_lens[i] new ones."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
+    counts = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(counts) + 2
+    cache = PagedKVCache(SimpleNamespace(num_layers=1, num_kv_heads=num_kv_heads, head_dim=head_dim), num_blocks,
+                         block_size, dtype=dtype)
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=gen))
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [[free.pop() for _ in range(n)] for n in counts]
+    slots = [t[p // block_size] * block_size + p % block_size
+             for t, s, n in zip(tables, seq_lens, query_lens) for p in range(s - n, s)]
+    width = max(counts)
+    args = (cache, torch.tensor(slots), torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()]),
+            torch.tensor(seq_lens), torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32))
+    q, k, v = (torch.randn(sum(query_lens), heads, head_dim, generator=gen).to(dtype)
+               for heads in (num_heads, num_kv_heads, num_kv_heads))
+    return args, q, k, v
+
+
+def attend(backend, args, q, k, v):
+    cache = args[0]
+    before = cache.kv.clone()
+    out = backend(*args).attend(0, q, k, v)
+    written = cache.kv.clone()
+    cache.kv.copy_(before)  # the next backend starts from the same cache
+    return out, written
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16, 32])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 16), (8, 2, 64), (6, 3, 32), (8, 1, 128), (9, 3, 64)])
+def test_decode_kernel_equals_the_reference(block_size, heads, kv_heads, head_dim):
+    lengths = [1, 2, block_size, block_size + 1, 7 * block_size + 5, 333]
+    args, q, k, v = paged_step([n - 1 for n in lengths], [1] * len(lengths), block_size, heads, kv_heads, head_dim,
+                               seed=block_size)
+    expected, _ = attend(PagedAttention, args, q, k, v)
+    cache, _, _, seq_lens, tables = args
+    PagedAttention(*args).write_kv(0, k, v)
+    got = paged_decode_cpu(q, *cache.layer(0), tables, seq_lens)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+
+
+def test_decode_kernel_refuses_what_it_cannot_read():
+    args, q, k, v = paged_step([4, 9], [1, 1], 4, 4, 2, 16)
+    cache, _, _, seq_lens, tables = args
+    k_cache, v_cache = cache.layer(0)
+    with pytest.raises(RuntimeError, match="int32"):
+        paged_decode_cpu(q, k_cache, v_cache, tables.long(), seq_lens)
+    with pytest.raises(RuntimeError, match="float32"):
+        paged_decode_cpu(q.double(), k_cache.double(), v_cache.double(), tables, seq_lens)
+
+
+@pytest.mark.parametrize("context_lens, query_lens", [
+    ([0, 0, 0], [5, 17, 1]),  # fresh prefills (one of a single token) only
+    ([12, 40, 0, 7], [1, 1, 9, 1]),  # decodes mixed with a fresh prefill
+    ([12, 33, 5, 0], [1, 6, 1, 4]),  # a chunk over a cached prefix, decodes, a fresh prefill
+    ([30, 31, 100], [1, 1, 1]),  # decodes only
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_kind_of_step_equals_the_reference_and_writes_the_same_cache(context_lens, query_lens, dtype):
+    args, q, k, v = paged_step(context_lens, query_lens, 8, 8, 2, 32, dtype=dtype, seed=len(context_lens))
+    expected, expected_cache = attend(PagedAttention, args, q, k, v)
+    got, got_cache = attend(CPUPagedAttention, args, q, k, v)
+    assert torch.equal(got_cache, expected_cache)
+    tolerance = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("family", ["qwen3-gqa2-tied", "qwen3-headdim-differs-untied", "qwen2-qkv-bias-gqa4",
+                                    "llama-untied-gqa8", "llama-linear-rope-no-head-dim"])
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_the_engine_on_the_cpu_backend_equals_transformers_under_pressure(checkpoints, family, prefix_caching):
+    """Chunked prefill, preemption, and (with prefix caching) shared prompt blocks, all through the CPU backend."""
+    folder, hf_model = checkpoints[family]
+    config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    model = load_weights(folder, config, torch.float32, torch.device("cpu"))
+    engine = LLMEngine(model, None, EngineConfig(block_size=4, num_kv_blocks=44, max_num_seqs=5,
+                                                 max_num_batched_tokens=24, enable_prefix_caching=prefix_caching),
+                       CPUPagedAttention)
+    gen = torch.Generator().manual_seed(5)
+    shared = torch.randint(3, 256, (20,), generator=gen).tolist()
+    prompts = [shared + torch.randint(3, 256, (n,), generator=gen).tolist() for n in (3, 41, 0, 15, 60, 9)]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert engine.scheduler.num_preemptions > 0
+    if prefix_caching:
+        assert sum(o.num_cached_tokens for o in finished.values()) > 0
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20,
+                                         do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+        assert finished[str(i)].outputs[0].token_ids == expected, f"request {i}"
+    assert engine.kv_manager.pool.num_free == 44
+
+
+def test_the_selector_picks_the_kernel_on_a_cpu_and_names_what_is_wrong():
+    assert attention_backend_class("auto", torch.device("cpu")) is CPUPagedAttention
+    assert attention_backend_class("cpu", "cpu") is CPUPagedAttention
+    assert attention_backend_class("torch", "cpu") is PagedAttention
+    with pytest.raises(ValueError, match="'cpu' runs on a CPU"):
+        attention_backend_class("cpu", torch.device("cuda"))
+    with pytest.raises(ValueError, match="attention_backend = 'flash'.*'cpu'"):
+        attention_backend_class("flash", "cpu")
+
+
+def test_without_a_compiler_auto_falls_back_to_the_reference_and_says_so():
+    code = ("import warnings, torch\n"
+            "import minivllm.kernels.cpu_attention as k\n"
+            "def broken():\n    raise RuntimeError('no compiler')\n"
+            "k.load_cpu_attention = broken\n"
+            "import minivllm.attention.selector as s\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    warnings.simplefilter('always')\n"
+            "    print(s.attention_backend_class('auto', torch.device('cpu')).__name__)\n"
+            "print(any('did not build' in str(w.message) for w in caught))\n"
+            "try:\n    s.attention_backend_class('cpu', torch.device('cpu'))\n"
+            "except ImportError as e:\n    print('ImportError', 'make install' in str(e))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["PagedAttention", "True", "ImportError", "True"]
+
+
+def test_decode_kernel_never_reads_outside_the_cache():
+    args, q, k, v = paged_step([4, 9], [1, 1], 4, 4, 2, 16)
+    cache, _, _, seq_lens, tables = args
+    with pytest.raises(RuntimeError, match="seq_lens"):
+        paged_decode_cpu(q, *cache.layer(0), tables, seq_lens + 100)
+    with pytest.raises(RuntimeError, match="block id"):
+        paged_decode_cpu(q, *cache.layer(0), tables + 1000, seq_lens)

@@ -5,6 +5,7 @@ from tqdm.auto import tqdm
 
 from minivllm.attention.selector import attention_backend_class
 from minivllm.config import EngineConfig, kv_bytes_per_token
+from minivllm.distributed.engine import TensorParallelEngine, check_tensor_parallel_size
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.entrypoints.chat import chat_prompts
 from minivllm.model.loader import load_model
@@ -23,16 +24,20 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  attention_backend: str = "auto", device=None, dtype=None, seed: int = 0,
-                 kv_cache_memory_bytes: int | None = None, speculative_config: dict | None = None):
+                 kv_cache_memory_bytes: int | None = None, speculative_config: dict | None = None,
+                 tensor_parallel_size: int = 1):
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         backend = attention_backend_class(attention_backend, device)
         lm, self.tokenizer = load_model(model, dtype=dtype, device=device)
+        check_tensor_parallel_size(tensor_parallel_size, lm.config, speculative_config, device)  # chapter 11
         sized_here = num_kv_blocks is None
         if sized_here:
             num_kv_blocks = kv_blocks_for(lm, block_size, kv_cache_memory_bytes)
         config = EngineConfig(block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens, max_model_len,
                               enable_prefix_caching, enable_chunked_prefill, seed)
-        if speculative_config is None:
+        if tensor_parallel_size > 1:  # chapter 11: this process is rank 0, the other ranks are worker processes
+            self.engine = TensorParallelEngine(lm, self.tokenizer, config, backend, tensor_parallel_size, (model, dtype))
+        elif speculative_config is None:
             self.engine = LLMEngine(lm, self.tokenizer, config, backend)
         else:  # chapter 9; a draft model's cache comes out of the same memory budget, unless num_kv_blocks is given
             self.engine = SpecDecodeEngine(lm, self.tokenizer, config, backend, speculative_config,
@@ -40,6 +45,9 @@ class LLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def shutdown(self) -> None:  # chapter 11: stops a tensor-parallel engine's worker processes
+        getattr(self.engine, "shutdown", lambda: None)()
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

@@ -1,0 +1,169 @@
+"""Chapter 11: tensor parallelism. TP=2 greedy tokens equal TP=1 and transformers (the embedded model and
+random GQA checkpoints, one with biases everywhere); bad sizes are refused before any process starts; a killed
+worker fails the step with an error naming its rank, never a hang; no worker outlives its LLM."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from minivllm import LLM, SamplingParams
+from minivllm.attention.base import NoCacheAttention
+from minivllm.distributed.engine import TensorParallelEngine
+from minivllm.engine.llm_engine import EngineStepError
+from tests.conftest import save_random_checkpoint
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+
+
+def alive(pid: int) -> bool:
+    """A process that exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def worker_pids(llm) -> list[int]:
+    return [p.pid for p in llm.engine.workers.processes]
+
+
+def gone(pids, within_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not any(alive(pid) for pid in pids)
+
+
+def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                                pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_embedded_model_tp2_equals_tp1():
+    prompts = ["ROMEO:\n", "First Citizen:\nBefore we proceed", "KING RICHARD", "O, " * 20]
+    one = LLM(device="cpu", num_kv_blocks=64)
+    expected = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)]
+    two = LLM(device="cpu", num_kv_blocks=64, tensor_parallel_size=2)
+    try:
+        pids = worker_pids(two)
+        assert len(pids) == 1 and alive(pids[0])
+        assert two.engine.kv_cache.kv.shape[4] == one.engine.kv_cache.kv.shape[4] // 2  # its share of kv heads
+        assert two.engine.kv_cache.num_blocks == one.engine.kv_cache.num_blocks
+        got = [o.outputs[0].token_ids for o in two.generate(prompts, GREEDY, use_tqdm=False)]
+        assert got == expected
+        again = two.generate(prompts[:2], GREEDY, use_tqdm=False)  # prefix-cache hits: copy-on-write path too
+        assert [o.outputs[0].token_ids for o in again] == expected[:2] and again[0].num_cached_tokens >= 0
+    finally:
+        two.shutdown()
+    assert gone(pids), "a worker outlived shutdown()"
+    two.shutdown()  # twice is fine
+
+
+def test_random_checkpoint_tp2_matches_transformers(tmp_path):
+    """A random Llama with GQA (4 heads, 2 kv heads: one kv head per rank) and q/k/v/o and MLP biases, so the
+    row-parallel bias must be added once, after the all-reduce (the embedded model covers Qwen3's q/k norms).
+    Tokens and their log-probabilities."""
+    hf_model = save_random_checkpoint(tmp_path, "llama-biases-llama3-rope")
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (7, 30, 19)]
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=1, ignore_eos=True)
+    llm = LLM(str(tmp_path), device="cpu", num_kv_blocks=32, block_size=8, tensor_parallel_size=2)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for prompt, output in zip(prompts, outputs):
+        tokens = list(output.outputs[0].token_ids)
+        assert tokens == hf_greedy(hf_model, prompt, 16)
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].log_softmax(-1)
+        expected = logits[torch.arange(len(tokens)), tokens]
+        got = torch.tensor([entry[0] for entry in output.outputs[0].logprobs])
+        assert (got - expected).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("size, words", [(3, "does not divide the model's num_heads = 8"), (0, "must be >= 1"),
+                                         (-2, "must be >= 1"), (2.0, "must be an integer"), ("2", "must be an integer"),
+                                         (True, "must be an integer"), (16, "does not divide")])
+def test_bad_sizes_are_refused_before_any_process_starts(monkeypatch, size, words):
+    started = []
+    monkeypatch.setattr("minivllm.distributed.engine.TensorParallelWorkers.__init__",
+                        lambda *a, **k: started.append(1) or (_ for _ in ()).throw(AssertionError("started")))
+    with pytest.raises(ValueError, match="tensor_parallel_size") as error:
+        LLM(device="cpu", num_kv_blocks=16, tensor_parallel_size=size)
+    assert words in str(error.value) and not started
+
+
+def test_speculative_decoding_with_tp_is_refused():
+    with pytest.raises(ValueError, match="speculative_config.*tensor_parallel_size"):
+        LLM(device="cpu", num_kv_blocks=16, tensor_parallel_size=2,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_a_killed_worker_fails_the_requests_naming_its_rank(monkeypatch):
+    monkeypatch.setattr(TensorParallelEngine, "timeout_s", 10.0)
+    llm = LLM(device="cpu", num_kv_blocks=32, tensor_parallel_size=2)
+    try:
+        [pid] = worker_pids(llm)
+        os.kill(pid, signal.SIGKILL)
+        assert gone([pid])
+        start = time.monotonic()
+        with pytest.raises(EngineStepError, match="rank 1 died"):
+            llm.generate(["ROMEO:"], GREEDY, use_tqdm=False)
+        with pytest.raises(EngineStepError, match="rank 1 died"):  # and again, at once: no hang, no retry
+            llm.generate(["JULIET:"], GREEDY, use_tqdm=False)
+        assert time.monotonic() - start < 5
+        assert not llm.engine.has_unfinished_requests()
+    finally:
+        llm.shutdown()
+
+
+def test_a_worker_killed_mid_step_is_detected_not_waited_for(monkeypatch):
+    """Killed while the driver waits in an all-reduce: gloo sees the closed connection (or times out)."""
+    monkeypatch.setattr(TensorParallelEngine, "timeout_s", 5.0)
+    llm = LLM(device="cpu", num_kv_blocks=32, tensor_parallel_size=2)
+    [pid] = worker_pids(llm)
+    model, calls = llm.engine.model, []
+    original = model.model.layers[1].forward
+
+    def kill_then_forward(*args, **kwargs):  # the driver's layer 1 runs after rank 1 is gone
+        if not calls:
+            calls.append(os.kill(pid, signal.SIGKILL))
+            gone([pid])
+        return original(*args, **kwargs)
+    monkeypatch.setattr(model.model.layers[1], "forward", kill_then_forward)
+    start = time.monotonic()
+    try:
+        with pytest.raises(EngineStepError, match="rank 1"):
+            llm.generate(["ROMEO:"], GREEDY, use_tqdm=False)
+        assert time.monotonic() - start < 15
+    finally:
+        llm.shutdown()
+
+
+SCRIPT = """
+import sys
+from minivllm import LLM, SamplingParams
+llm = LLM(device="cpu", num_kv_blocks=32, tensor_parallel_size=2)
+print(*[p.pid for p in llm.engine.workers.processes], flush=True)
+llm.generate(["ROMEO:"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+raise RuntimeError("the driver fails")
+"""
+
+
+def test_no_orphans_when_the_driver_raises():
+    """The driver's script dies with an exception, without shutdown(): the finaliser stops the workers."""
+    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=60,
+                          cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode == 1 and "the driver fails" in done.stderr
+    pids = [int(p) for p in done.stdout.split()]
+    assert pids and gone(pids, within_s=5)

@@ -3,6 +3,7 @@
     python -m minivllm generate "ROMEO:" --max-tokens 50
     python -m minivllm generate "ROMEO:" --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
     python -m minivllm serve [--port 8000] [--api-key KEY]    # an OpenAI-compatible server (chapter 10)
+    python -m minivllm serve --data-parallel-size 2 --router prefix-aware   # replicas behind a router (chapter 12)
     python -m minivllm bench [--num-prompts 64 ...]
     python -m minivllm explain-cache A.txt B.txt [--block-size 16]   # what B would reuse from A's cache
 """
@@ -32,8 +33,18 @@ def serve(args) -> int:
     from minivllm import LLM
     from minivllm.entrypoints.openai.launcher import run_server
 
-    llm = LLM(args.model, speculative_config=args.speculative_config)
     api_key = args.api_key or os.environ.get("MINIVLLM_API_KEY") or None
+    if args.data_parallel_size > 1:  # chapter 12: replica processes behind a router
+        from minivllm.entrypoints.openai.dp_server import run_dp_server
+
+        llm_kwargs = {"model": args.model, "speculative_config": args.speculative_config}
+        try:
+            run_dp_server(args.data_parallel_size, args.router, llm_kwargs, args.host, args.port,
+                          args.served_model_name, api_key)
+        except KeyboardInterrupt:
+            pass
+        return 0
+    llm = LLM(args.model, speculative_config=args.speculative_config)
     try:
         run_server(llm, args.host, args.port, args.served_model_name, api_key=api_key,
                    access_log=not args.disable_uvicorn_access_log)
@@ -74,6 +85,14 @@ def json_object(text: str) -> dict:
     return value
 
 
+def data_parallel_size(text: str) -> int:
+    from minivllm.entrypoints.openai.dp_server import MAX_REPLICAS
+
+    if not text.strip().isdigit() or not 1 <= int(text) <= MAX_REPLICAS:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be an integer from 1 to {MAX_REPLICAS}")
+    return int(text)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":
@@ -105,6 +124,10 @@ def main(argv=None) -> int:
                         help="require 'Authorization: Bearer KEY' on every path but /health, /metrics included "
                              "(default: $MINIVLLM_API_KEY, else none)")
     server.add_argument("--disable-uvicorn-access-log", action="store_true", help="no line per request on stdout")
+    server.add_argument("--data-parallel-size", type=data_parallel_size, default=1,
+                        help="engine replicas, each in its own process, behind one endpoint (chapter 12)")
+    server.add_argument("--router", choices=["round-robin", "least-loaded", "prefix-aware"], default="prefix-aware",
+                        help="how the front end picks a replica when --data-parallel-size > 1 (default: prefix-aware)")
     sub.add_parser("bench", help="throughput, TTFT and TPOT of the engine (see python -m minivllm bench --help)")
     explain = sub.add_parser("explain-cache", help="which blocks of prompt B would be served from A's prefix cache")
     explain.add_argument("a", help="a text file, or a .json chat (a list of {role, content} messages)")

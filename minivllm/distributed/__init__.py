@@ -1,4 +1,5 @@
-"""Chapter 11: tensor parallelism over torch.distributed (parallel_state, layers, shard, executor).
+"""Beyond one process: tensor parallelism over torch.distributed (chapter 11: parallel_state, layers, shard,
+executor, engine) and, across replicas, KV events and the prefix-aware router (chapter 12: kv_events, router).
 
 Importing this package starts nothing and initialises no process group: `TensorParallelEngine` does, when an
 `LLM(..., tensor_parallel_size=N)` is built."""

@@ -1,0 +1,325 @@
+"""Chapter 12: replicas behind a prefix-aware router. The KV events mirror the engine's prefix cache; the index
+and the policies decide as specified (longest cached prefix, ties by load, then in turn); through the router a
+conversation's next turn goes back to the replica that served the last one, `cached_tokens` is reported streamed
+and not, errors pass through, a hang-up aborts on the replica, a dead replica is avoided and, when none is left,
+a clean 503; no replica process outlives its front end."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from minivllm import LLM, SamplingParams
+from minivllm.book.texts import CORPUS
+from minivllm.core.kv_cache_utils import block_hashes
+from minivllm.distributed.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, event_from_json,
+                                            event_to_json, publish_kv_events)
+from minivllm.distributed.router import BlockIndex, Router
+
+TIMEOUT = 120
+
+
+def h(name: str) -> bytes:
+    return name.encode().ljust(32, b".")
+
+
+# ---------------------------------------------------------------------------------------------- the index
+def test_the_index_follows_stored_removed_and_cleared_events():
+    index = BlockIndex(2)
+    index.apply(0, BlockStored([h("a"), h("b"), h("c")], None, list(range(12)), 4))
+    index.apply(1, BlockStored([h("a")], None, list(range(4)), 4))
+    assert index.cached_prefix(0, [h("a"), h("b"), h("c"), h("d")]) == 3
+    assert index.cached_prefix(1, [h("a"), h("b")]) == 1
+    index.apply(0, BlockRemoved([h("b")]))
+    assert index.cached_prefix(0, [h("a"), h("b"), h("c")]) == 1  # the engine's lookup stops at a gap too
+    index.apply(0, AllBlocksCleared())
+    assert index.cached_prefix(0, [h("a")]) == 0 and index.cached_prefix(1, [h("a")]) == 1
+    with pytest.raises(TypeError):
+        index.apply(0, "not an event")
+
+
+def test_events_survive_the_wire():
+    for event in [BlockStored([h("a"), h("b")], h("p"), [1, 2, 3, 4, 5, 6, 7, 8], 4), BlockStored([h("a")], None, [1], 1),
+                  BlockRemoved([h("x")]), AllBlocksCleared()]:
+        assert event_from_json(json.loads(json.dumps(event_to_json(event)))) == event
+
+
+# ---------------------------------------------------------------------------------------------- the policies
+def router_with(policy: str, held: dict[int, int], tokens: list[int], replicas: int = 3) -> Router:
+    """A router whose index says replica r holds the first held[r] blocks of `tokens` (blocks of 4)."""
+    router = Router(replicas, policy, block_size=4)
+    chain = block_hashes(tokens, 4)
+    for replica, count in held.items():
+        router.index.apply(replica, BlockStored(chain[:count], None, tokens[:4 * count], 4))
+    return router
+
+
+TOKENS = list(range(100, 124))  # 6 blocks of 4
+
+
+def test_prefix_aware_picks_the_longest_cached_prefix():
+    router = router_with("prefix-aware", {0: 2, 1: 5, 2: 3}, TOKENS)
+    router.in_flight = [0, 9, 0]  # load does not outweigh a longer prefix
+    assert router.route(TOKENS) == (1, 5)
+    assert router.in_flight == [0, 10, 0]
+    router.finished(1)
+    assert router.in_flight == [0, 9, 0]
+
+
+def test_prefix_aware_breaks_ties_by_load_then_in_turn():
+    router = router_with("prefix-aware", {0: 4, 1: 4, 2: 1}, TOKENS)
+    router.in_flight = [3, 1, 0]
+    assert router.route(TOKENS)[0] == 1  # 0 and 1 tie on the prefix; 1 has fewer in flight
+    fresh = Router(2, "prefix-aware", block_size=4)
+    picks = []
+    for i in range(4):
+        picks.append(fresh.route([7000 + 100 * i + t for t in range(8)])[0])
+        fresh.in_flight = [0, 0]
+    assert picks == [0, 1, 0, 1]  # nothing cached anywhere, nothing in flight: in turn
+
+
+def test_a_salt_changes_the_match():
+    router = router_with("prefix-aware", {0: 6}, TOKENS, replicas=2)
+    router.in_flight = [1, 0]
+    assert router.route(TOKENS, cache_salt="tenant-b") == (1, 0)  # salted hashes are other blocks
+
+
+def test_round_robin_and_least_loaded():
+    rr = Router(3, "round-robin")
+    assert [rr.route(TOKENS)[0] for _ in range(4)] == [0, 1, 2, 0]
+    ll = router_with("least-loaded", {0: 6}, TOKENS)
+    ll.in_flight = [0, 2, 1]
+    assert ll.route(TOKENS)[0] == 0
+    ll.in_flight = [5, 2, 1]
+    assert ll.route(TOKENS)[0] == 2  # blind to the cache
+
+
+def test_dead_replicas_get_nothing():
+    router = router_with("prefix-aware", {0: 6}, TOKENS, replicas=2)
+    router.alive[0] = False
+    assert router.route(TOKENS) == (1, 0)
+    router.alive[1] = False
+    with pytest.raises(LookupError):
+        router.route(TOKENS)
+    with pytest.raises(ValueError, match="router policy"):
+        Router(2, "random")
+
+
+# ---------------------------------------------------------------------------------------------- the events
+def test_kv_events_mirror_the_prefix_cache_under_eviction():
+    llm = LLM(num_kv_blocks=24, block_size=4, max_num_seqs=2)
+    events = publish_kv_events(llm.engine)
+    index = BlockIndex(1)
+    ids = llm.get_tokenizer()(CORPUS[:2000]).input_ids
+    prompts = [{"prompt_token_ids": ids[i * 13:i * 13 + 30]} for i in range(5)] + [{"prompt_token_ids": ids[:30],
+                                                                                   "cache_salt": "s"}]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    kinds = {type(e).__name__ for e in events}
+    assert {"BlockStored", "BlockRemoved"} <= kinds
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    assert all(len(e.token_ids) == 4 * len(e.block_hashes) for e in stored)
+    assert any(e.parent_block_hash is not None for e in stored)
+    for event in events:
+        index.apply(0, event)
+    assert index.blocks[0] == set(llm.engine.kv_manager.pool.cached)
+    events.clear()
+    llm.engine.kv_manager.reset_prefix_cache()
+    assert list(events) == [AllBlocksCleared()]
+    with pytest.raises(ValueError, match="already publishes"):
+        publish_kv_events(llm.engine)
+    with pytest.raises(ValueError, match="prefix cache"):
+        publish_kv_events(LLM(num_kv_blocks=8, enable_prefix_caching=False).engine)
+
+
+def test_bad_command_lines_are_refused():
+    from minivllm.cli import main
+
+    for argv in (["serve", "--data-parallel-size", "0"], ["serve", "--data-parallel-size", "two"],
+                 ["serve", "--data-parallel-size", "2", "--router", "random"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+
+
+def test_no_replica_reachable_is_a_clean_503():
+    from fastapi.testclient import TestClient
+
+    from minivllm.entrypoints.openai.dp_server import build_router_app
+
+    with socket.socket() as probe:  # a port that was free a moment ago: nobody listens there
+        probe.bind(("127.0.0.1", 0))
+        nowhere = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    app = build_router_app([nowhere, nowhere], "round-robin")
+    with TestClient(app) as client:
+        answer = client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2})
+        assert answer.status_code == 503
+        assert answer.json()["error"]["type"] == "ServiceUnavailable"
+        assert app.state.front.router.alive == [False, False]
+        assert client.get("/health").status_code == 503
+
+
+# ---------------------------------------------------------------------------------------------- two replicas
+@pytest.fixture(scope="module")
+def cluster():
+    from minivllm.entrypoints.openai.dp_server import DataParallelServer
+
+    server = DataParallelServer(2, "prefix-aware", llm_kwargs={"num_kv_blocks": 256, "max_num_seqs": 8}, threads=1)
+    with server:
+        yield server
+    assert all(p.poll() is not None for p in server.replicas.processes)  # no orphans
+
+
+def chat(server, messages, **extra):
+    answer = httpx.post(server.url + "/v1/chat/completions", timeout=TIMEOUT,
+                        json={"messages": messages, "max_tokens": 6, "temperature": 0, **extra})
+    assert answer.status_code == 200, answer.text
+    return int(answer.headers["x-minivllm-replica"]), answer.json()
+
+
+def metric(server, name: str, replica: int) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=TIMEOUT).text
+    for line in text.splitlines():
+        if line.startswith(f'{name}{{replica="{replica}"}}'):
+            return float(line.split()[-1])
+    raise AssertionError(f"no {name} for replica {replica} in /metrics")
+
+
+def test_a_conversation_returns_to_its_replica(cluster):
+    tenants = {}
+    for tenant in ("Globe", "Rose"):
+        system = f"You are the prompter of the {tenant} Theatre. Answer in verse.\n" * 5
+        conversation = [{"role": "system", "content": system}, {"role": "user", "content": "Who speaks first?"}]
+        replica, body = chat(cluster, conversation)
+        tenants[tenant] = replica
+        seen_by_router, _ = cluster.front.prompt_tokens(json.dumps({"messages": conversation}).encode(), chat=True)
+        assert len(seen_by_router) == body["usage"]["prompt_tokens"]  # it hashes the tokens the replica computes
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        for turn in range(2):
+            conversation += [{"role": "assistant", "content": body["choices"][0]["message"]["content"]},
+                             {"role": "user", "content": f"And then, in turn {turn}?"}]
+            again, body = chat(cluster, conversation)
+            assert again == replica  # where its prefix is
+            cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached >= 16 * 8 and cached % 16 == 0
+    assert tenants["Globe"] != tenants["Rose"]  # nothing in common: the second tenant goes to the idle replica
+
+
+def test_cached_tokens_pass_through_streamed_and_not(cluster):
+    prompt = CORPUS[1000:1600]
+    plain = httpx.post(cluster.url + "/v1/completions", timeout=TIMEOUT,
+                       json={"prompt": prompt, "max_tokens": 5, "temperature": 0}).json()
+    body = {"prompt": prompt + " more", "max_tokens": 5, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", cluster.url + "/v1/completions", json=body, timeout=TIMEOUT) as answer:
+        assert answer.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[6:]) for line in answer.iter_lines() if line.startswith("data: {")]
+    usage = events[-1]["usage"]
+    assert plain["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    want = 16 * min(plain["usage"]["prompt_tokens"] // 16, (usage["prompt_tokens"] - 1) // 16)
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= want - 16 > 0
+    again = httpx.post(cluster.url + "/v1/completions", timeout=TIMEOUT,
+                       json={"prompt": prompt, "max_tokens": 5, "temperature": 0}).json()
+    assert again["choices"][0]["text"] == plain["choices"][0]["text"]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 16 * ((plain["usage"]["prompt_tokens"] - 1) // 16)
+
+
+def test_errors_pass_through(cluster):
+    answer = httpx.post(cluster.url + "/v1/completions", json={"prompt": "x", "max_tokens": 0}, timeout=TIMEOUT)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "max_tokens"
+    answer = httpx.post(cluster.url + "/v1/completions", json={"prompt": "x", "bogus": 1}, timeout=TIMEOUT)
+    assert answer.status_code == 400 and "bogus" in answer.json()["error"]["message"]
+    assert httpx.get(cluster.url + "/v1/models", timeout=TIMEOUT).json()["data"][0]["id"] == "minivllm"
+    assert httpx.get(cluster.url + "/nowhere", timeout=TIMEOUT).status_code == 404
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_hang_up_aborts_on_the_replica(cluster, stream):
+    body = {"prompt": CORPUS[:200], "max_tokens": 1500, "ignore_eos": True, "stream": stream}
+    start = time.monotonic()
+    if stream:
+        with httpx.stream("POST", cluster.url + "/v1/completions", json=body, timeout=TIMEOUT) as answer:
+            replica = int(answer.headers["x-minivllm-replica"])
+            lines = answer.iter_lines()
+            for _ in range(6):
+                next(lines)
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(cluster.url + "/v1/completions", json=body, timeout=httpx.Timeout(TIMEOUT, read=1.0))
+    deadline = time.monotonic() + 30
+    running = [1.0, 1.0]
+    while time.monotonic() < deadline and (sum(running) or sum(cluster.front.router.in_flight)):
+        running = [metric(cluster, "minivllm:num_requests_running", r) for r in range(2)]
+        time.sleep(0.1)
+    assert running == [0.0, 0.0] and cluster.front.router.in_flight == [0, 0]
+    assert time.monotonic() - start < 20  # 1,500 tokens would take longer: it was aborted, not finished
+    assert all(metric(cluster, "minivllm:kv_cache_usage_perc", r) == 0 for r in range(2))
+
+
+def test_a_dead_replica_is_avoided_then_a_clean_503(cluster):
+    """Last in the file: it kills the cluster's replicas."""
+    victim = cluster.replicas.processes[1]
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=30)
+    for i in range(3):  # every request is served, by the survivor
+        answer = httpx.post(cluster.url + "/v1/completions", timeout=TIMEOUT,
+                            json={"prompt": f"After the crash, {i}:", "max_tokens": 2})
+        assert answer.status_code == 200 and answer.headers["x-minivllm-replica"] == "0"
+    assert cluster.front.router.alive == [True, False]
+    assert httpx.get(cluster.url + "/health", timeout=TIMEOUT).status_code == 200
+    cluster.replicas.processes[0].send_signal(signal.SIGKILL)
+    cluster.replicas.processes[0].wait(timeout=30)
+    answer = httpx.post(cluster.url + "/v1/completions", json={"prompt": "Anyone?", "max_tokens": 2}, timeout=TIMEOUT)
+    assert answer.status_code == 503 and answer.json()["error"]["code"] == 503
+    assert httpx.get(cluster.url + "/health", timeout=TIMEOUT).status_code == 503
+
+
+def test_the_api_key_guards_the_front_end_and_reaches_the_replicas():
+    from minivllm.entrypoints.openai.dp_server import DataParallelServer
+
+    with DataParallelServer(1, "least-loaded", llm_kwargs={"num_kv_blocks": 32}, api_key="k3y", threads=1) as server:
+        body = {"prompt": "ROMEO:", "max_tokens": 2}
+        assert httpx.post(server.url + "/v1/completions", json=body, timeout=TIMEOUT).status_code == 401
+        assert httpx.get(server.url + "/metrics", timeout=TIMEOUT).status_code == 401
+        assert httpx.get(server.url + "/health", timeout=TIMEOUT).status_code == 200
+        key = {"Authorization": "Bearer k3y"}
+        assert httpx.post(server.url + "/v1/completions", json=body, headers=key, timeout=TIMEOUT).status_code == 200
+        assert httpx.post(server.replicas.urls[0] + "/v1/completions", json=body, timeout=TIMEOUT).status_code == 401
+        assert server.front.router.alive == [True]  # its event stream, with the key, is open
+
+
+def test_replicas_exit_when_their_front_end_is_killed():
+    code = ("from minivllm.entrypoints.openai.dp_server import Replicas\n"
+            "r = Replicas(1, {'num_kv_blocks': 16}, threads=1)\n"
+            "print(r.processes[0].pid, flush=True)\n"
+            "import time; time.sleep(600)\n")
+    front = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(front.stdout.readline())
+        front.kill()  # SIGKILL: no cleanup runs in the front end
+        front.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and alive(pid):
+            time.sleep(0.1)
+        assert not alive(pid)
+    finally:
+        if front.poll() is None:
+            front.kill()
+        front.stdout.close()
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped by init) counts as gone
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ")[1][0] != "Z"
+    except OSError:
+        return False

@@ -32,8 +32,9 @@ clean-notebooks: install
 notebooks: install
 	$(PY) minivllm/tools/notebooks.py execute --inplace
 
-## make bench: minivllm against transformers (generate, generate_batch) on the same requests, speculative
-## decoding (chapter 9) and the server under Poisson load (chapter 10); JSON in bench/results
+## make bench: minivllm against transformers (generate, generate_batch) on the same requests, three workloads
+## (a 32M Qwen3, SmolLM2-135M's shape, nano-vllm's benchmark scaled to a CPU) with ratios and roofline fractions,
+## speculative decoding (chapter 9) and the server under Poisson load (chapter 10); JSON in bench/results
 bench: install
 	$(PY) -m minivllm.tools.bench compare --workload all --out bench/results
 	$(PY) -m minivllm.tools.bench spec --num-prompts 16 --output-len 256 --out bench/results

@@ -45,8 +45,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     Query i sits at position n_k - n_q + i and sees keys 0 .. n_k - n_q + i: with n_q < n_k the first keys
     are earlier tokens from a cache. Grouped-query attention: each kv head serves heads / kv_heads q heads.
     """
-    q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, tokens, head_dim]
-    n_q, n_k = q.shape[1], k.shape[1]
+    # [1, heads, tokens, head_dim]: with a batch dimension PyTorch's fused CPU kernel takes the call, as it
+    # does for transformers; three dimensions fall back to its slower reference path
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    n_q, n_k = q.shape[2], k.shape[2]
     if n_q == 1:  # one new token sees every key: no mask at all
         out = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     elif n_q == n_k:
@@ -54,4 +56,4 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     else:
         mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(diagonal=n_k - n_q)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)

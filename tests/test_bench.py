@@ -16,11 +16,12 @@ def test_engine_and_compare(tmp_path):
     small = ["--num-prompts", "3", "--min-prompt", "4", "--max-prompt", "12", "--output-len", "4"]
     engine = run(tmp_path / "engine", "engine", *small)
     assert engine["minivllm"]["output_tokens"] == 12
-    compare = run(tmp_path / "compare", "compare", *small, "--min-output", "2", "--hf-batch-size", "2")
+    compare = run(tmp_path / "compare", "compare", *small, "--min-output", "2", "--hf-batch-size", "2", "--repeats", "2")
     runs = compare["workloads"]["custom"]["runs"]
     for name, result in runs.items():  # outputs of 2-4 tokens: static batches must cut each to its own length
         assert "error" not in result and result["greedy_tokens_match_minivllm"], name
-        assert 0 < result["roofline_fraction"] < 1, name
+        assert 0 < result["roofline_fraction"] < 1 and result["seconds"] == min(result["all_seconds"]), name
+        assert len(result["all_seconds"]) == 2, name
     assert runs["minivllm"]["output_tokens"] == runs["transformers_generate_static"]["output_tokens"] < 12
 
 

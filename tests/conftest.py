@@ -53,6 +53,14 @@ def save_random_checkpoint(folder, family: str, vocab_size: int = 256, seed: int
     return model
 
 
+def transformers_greedy(hf_model, prompt: list[int], max_tokens: int) -> list[int]:
+    """The reference: transformers' greedy continuation of one prompt, exactly max_tokens long."""
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     """family -> (folder, transformers model)."""

@@ -17,6 +17,7 @@ from minivllm.engine.llm_engine import LLMEngine
 from minivllm.kernels.cpu_attention import cpu_attention_available, paged_decode_cpu
 from minivllm.model.loader import load_weights
 from minivllm.sampling_params import SamplingParams
+from tests.conftest import transformers_greedy
 
 pytestmark = pytest.mark.skipif(not cpu_attention_available(), reason="the C++ kernel did not build (make install)")
 
@@ -114,10 +115,7 @@ def test_the_engine_on_the_cpu_backend_equals_transformers_under_pressure(checkp
     if prefix_caching:
         assert sum(o.num_cached_tokens for o in finished.values()) > 0
     for i, prompt in enumerate(prompts):
-        with torch.no_grad():
-            expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20,
-                                         do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
-        assert finished[str(i)].outputs[0].token_ids == expected, f"request {i}"
+        assert finished[str(i)].outputs[0].token_ids == transformers_greedy(hf_model, prompt, 20), f"request {i}"
     assert engine.kv_manager.pool.num_free == 44
 
 

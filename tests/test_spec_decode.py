@@ -10,7 +10,7 @@ from minivllm.sampling_params import SamplingParams
 from minivllm.spec_decode.engine import SpecDecodeEngine
 from minivllm.spec_decode.ngram_proposer import NgramProposer
 from minivllm.spec_decode.rejection_sampler import verify_greedy, verify_sampled
-from tests.conftest import save_random_checkpoint
+from tests.conftest import save_random_checkpoint, transformers_greedy
 from tests.test_engine import load, prompts_of, run
 
 
@@ -60,13 +60,6 @@ def test_ngram_lookup():
     assert NgramProposer(3, 3).lookup([1, 2, 1, 2], 4) == []  # shorter n-grams are not tried below the minimum
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         NgramProposer(prompt_lookup_max=2, prompt_lookup_min=3)
-
-
-def transformers_greedy(hf_model, prompt, max_tokens):
-    with torch.no_grad():
-        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def repetitive_prompts(seed=0):

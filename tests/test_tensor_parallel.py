@@ -16,7 +16,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.attention.base import NoCacheAttention
 from minivllm.distributed.engine import TensorParallelEngine
 from minivllm.engine.llm_engine import EngineStepError
-from tests.conftest import save_random_checkpoint
+from tests.conftest import save_random_checkpoint, transformers_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
@@ -39,13 +39,6 @@ def gone(pids, within_s: float = 10.0) -> bool:
     while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     return not any(alive(pid) for pid in pids)
-
-
-def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
-                                pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def test_embedded_model_tp2_equals_tp1():
@@ -83,7 +76,7 @@ def test_random_checkpoint_tp2_matches_transformers(tmp_path):
         llm.shutdown()
     for prompt, output in zip(prompts, outputs):
         tokens = list(output.outputs[0].token_ids)
-        assert tokens == hf_greedy(hf_model, prompt, 16)
+        assert tokens == transformers_greedy(hf_model, prompt, 16)
         with torch.no_grad():
             logits = hf_model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].log_softmax(-1)
         expected = logits[torch.arange(len(tokens)), tokens]

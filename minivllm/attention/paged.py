@@ -66,7 +66,6 @@ class PagedAttention(AttentionMetadata):
 
     def attend(self, layer, q, k, v):
         k_cache, v_cache = self.write_kv(layer, k, v)
-        _, block_size, kv_heads, head_dim = k_cache.shape
         out = torch.empty_like(q)
         starts, lens = self.query_start_loc.tolist(), self.seq_lens.tolist()
         decodes = [i for i in range(len(lens)) if starts[i + 1] - starts[i] == 1]
@@ -74,11 +73,15 @@ class PagedAttention(AttentionMetadata):
             rows = self.query_start_loc[decodes]
             out[rows] = self._decode(q[rows], k_cache, v_cache, self.block_tables[decodes], self.seq_lens[decodes])
         for i in sorted(set(range(len(lens))) - set(decodes)):
-            blocks = self.block_tables[i, : math.ceil(lens[i] / block_size)]
-            keys = k_cache.index_select(0, blocks).flatten(0, 1)[: lens[i]]
-            values = v_cache.index_select(0, blocks).flatten(0, 1)[: lens[i]]
+            keys, values = self.cached_kv(i, k_cache, v_cache)
             out[starts[i]:starts[i + 1]] = causal_attention(q[starts[i]:starts[i + 1]], keys, values)
         return out
+
+    def cached_kv(self, i: int, k_cache: torch.Tensor, v_cache: torch.Tensor):
+        """Sequence i's keys and values, all seq_lens[i] of them, gathered out of its blocks into new tensors."""
+        n = int(self.seq_lens[i])
+        blocks = self.block_tables[i, : math.ceil(n / k_cache.shape[1])]
+        return k_cache.index_select(0, blocks).flatten(0, 1)[:n], v_cache.index_select(0, blocks).flatten(0, 1)[:n]
 
     @staticmethod
     def _decode(q, k_cache, v_cache, block_tables, seq_lens):

@@ -8,8 +8,8 @@ import nbformat
 import pytest
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
-CHAPTERS = sorted(p for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb") if p.name[:2] != "00")
-CHECK = re.compile(r'check\("(\d\d\.[A-Za-z0-9_]+)"')
+CHAPTERS = sorted(p for p in NOTEBOOKS.glob("[0-9][0-9]*_*.ipynb") if p.name[:2] != "00")
+CHECK = re.compile(r'check\("(\d\d[a-z]?\.[A-Za-z0-9_]+)"')
 
 
 def code_lines(cell) -> int:

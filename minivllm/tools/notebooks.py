@@ -39,7 +39,7 @@ VOLATILE_CELL_METADATA = ("execution", "collapsed", "scrolled", "ExecuteTime", "
 
 def book_notebooks(folder: Path = NOTEBOOKS) -> list[Path]:
     """The chapters in book order: NN_name.ipynb, solutions excluded."""
-    return sorted(p for p in folder.glob("[0-9][0-9]_*.ipynb"))
+    return sorted(p for p in folder.glob("[0-9][0-9]*_*.ipynb"))
 
 
 def exported_modules(notebooks: list[Path], root: Path = ROOT) -> dict[Path, str]:
@@ -240,7 +240,7 @@ def execute(path: Path, timeout: int = 1200):
 
 
 def all_notebooks() -> list[Path]:
-    return book_notebooks() + sorted((NOTEBOOKS / "solutions").glob("[0-9][0-9]_*.ipynb"))
+    return book_notebooks() + sorted((NOTEBOOKS / "solutions").glob("[0-9][0-9]*_*.ipynb"))
 
 
 def execute_all(paths: list[Path], inplace: bool = False, out: Path | None = None) -> bool:

@@ -25,6 +25,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None  # per new token, its log-probability and this many most likely alternatives
+    # penalties on tokens already in the text (applied by chapter 6's batched sampler, as in vLLM):
+    presence_penalty: float = 0.0  # subtracted once from the logit of every token that has appeared in the output
+    frequency_penalty: float = 0.0  # subtracted from a token's logit once per time it has appeared in the output
+    repetition_penalty: float = 1.0  # a seen token's logit (prompt or output): divided by it if > 0, else multiplied
+    min_tokens: int = 0  # end-of-sequence and stop tokens are masked until this many tokens are generated
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):

@@ -31,8 +31,10 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         probs = probs / probs.sum()
     if params.top_p < 1:
         sorted_probs, order = probs.sort(descending=True)
-        # drop a token when the tokens above it already reach top_p; the top token always stays
+        # drop a token when the tokens above it already reach top_p. The top token always stays, even when
+        # top_p is so small that it rounds to 0.0 in float32 (1e-46 does), as vLLM keeps it
         drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+        drop[0] = False
         probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
     return probs
 

@@ -7,6 +7,29 @@ from minivllm.engine.llm_engine import EngineStepError
 from minivllm.sampling_params import SamplingParams
 
 
+class RequestOutputCollector:
+    """One request's unread output (vLLM's class of the same name): `put` never blocks and never queues."""
+
+    def __init__(self):
+        self.output = None  # a RequestOutput, an Exception, or None when the caller is up to date
+        self.ready = asyncio.Event()
+
+    def put(self, output) -> None:
+        if not isinstance(self.output, Exception):  # cumulative: the newest output says everything
+            self.output = output
+        self.ready.set()
+
+    async def get(self):
+        """The latest output (waiting for one); raises the request's error."""
+        while self.output is None:
+            await self.ready.wait()
+        output, self.output = self.output, None
+        self.ready.clear()
+        if isinstance(output, Exception):
+            raise output
+        return output
+
+
 class AsyncLLM:
     """Chapter 6's engine behind an asyncio front. Any number of coroutines submit requests and read their
     outputs as they grow. One loop owns the engine and hands all of its work to a worker thread, so that the
@@ -16,7 +39,7 @@ class AsyncLLM:
         self.llm, self.engine, self.tokenizer = llm, llm.engine, llm.tokenizer
         self._inbox: list[tuple] = []  # requests for the engine's next turn
         self._aborts: list[str] = []
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, RequestOutputCollector] = {}
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._closing = False
@@ -28,7 +51,7 @@ class AsyncLLM:
         raises ValueError before the engine sees the request; a failed step raises RuntimeError."""
         request_id = f"cmpl-{uuid.uuid4().hex}"
         self.engine.validate(request_id, prompt_token_ids, params, cache_salt)  # cheap; changes nothing
-        queue = self._streams[request_id] = asyncio.Queue()
+        collector = self._streams[request_id] = RequestOutputCollector()
         self._inbox.append((request_id, prompt_token_ids, params, prompt, cache_salt))
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.create_task(self._run_engine())
@@ -36,10 +59,11 @@ class AsyncLLM:
         finished = False
         try:
             while not finished:
-                output = await queue.get()
-                if isinstance(output, Exception):  # this request failed; the engine has let it go
+                try:
+                    output = await collector.get()
+                except Exception:  # this request failed; the engine has let it go
                     finished = True
-                    raise output
+                    raise
                 finished = output.finished
                 yield output
         finally:
@@ -63,9 +87,9 @@ class AsyncLLM:
                     self._streams.pop(request_id, None)
 
     def _deliver(self, request_id: str, item) -> None:
-        queue = self._streams.get(request_id)
-        if queue is not None:
-            queue.put_nowait(item)
+        collector = self._streams.get(request_id)
+        if collector is not None:
+            collector.put(item)
         if isinstance(item, Exception) or item.finished:
             self._streams.pop(request_id, None)
 

@@ -141,3 +141,50 @@ def test_a_class_built_in_steps_becomes_one_class(tmp_path):
                    new_code_cell("# export: minivllm/other.py\nclass Lonely(Lonely):\n    pass"))
     with pytest.raises(ValueError, match=r"class step Lonely\(Lonely\): no earlier cell"):
         notebook_tools.export(tmp_path)
+
+
+def test_a_class_step_with_other_code_is_merged_and_the_rest_keeps_its_order(tmp_path):
+    (tmp_path / "notebooks").mkdir()
+    write_notebook(tmp_path / "notebooks" / "01_a.ipynb",
+                   new_code_cell('# export: minivllm/steps.py\nclass Engine:\n    """Docs."""\n\n'
+                                 '    def one(self):\n        return 1'),
+                   new_code_cell("# export: minivllm/steps.py\nBEFORE = 1\n\n\nclass Engine(Engine):\n"
+                                 "    def two(self):\n        return helper()\n\n\ndef helper():\n    return 2\n\n\n"
+                                 "class Other(Engine):\n    pass"))
+    notebook_tools.export(tmp_path)
+    text = (tmp_path / "minivllm" / "steps.py").read_text()
+    assert text.count("class Engine") == 1 and "Engine(Engine)" not in text
+    assert text.index("def two") < text.index("BEFORE = 1") < text.index("def helper") < text.index("class Other")
+    assert "\n\n\n\n" not in text  # the cut leaves no gap wider than the usual two blank lines
+    namespace = {}
+    exec(compile(text, "steps.py", "exec"), namespace)
+    assert namespace["Other"]().two() == 2 and namespace["Engine"].__mro__[1] is object
+    assert notebook_tools.export_differences(tmp_path) == []
+
+
+@pytest.mark.parametrize("step, words", [
+    ("@decorated\nclass Engine(Engine):\n    pass", "without other bases, keywords or decorators"),
+    ("class Engine(Engine, Mixin):\n    pass", "without other bases"),
+    ("class Engine(Engine, metaclass=Meta):\n    pass", "keywords"),
+    ('x = 1\n\n\nclass Engine(Engine):\n    """More docs."""', "a docstring belongs to the class's first cell"),
+    ("class Missing(Missing):\n    pass", "no earlier cell of this module defines Missing"),
+])
+def test_a_class_step_that_cannot_be_merged_is_refused_with_its_notebook_and_cell(tmp_path, step, words):
+    (tmp_path / "notebooks").mkdir()
+    write_notebook(tmp_path / "notebooks" / "01_a.ipynb",
+                   new_code_cell("# export: minivllm/steps.py\nclass Engine:\n    pass"),
+                   new_markdown_cell("text"),
+                   new_code_cell(f"# export: minivllm/steps.py\n{step}"))
+    with pytest.raises(ValueError, match=r"01_a.ipynb cell 2: class step ") as error:
+        notebook_tools.export(tmp_path)
+    assert words in str(error.value)
+    assert not (tmp_path / "minivllm" / "steps.py").exists()  # nothing half-written
+
+
+def test_check_export_rejects_a_generated_class_that_subclasses_itself(project):
+    notebook_tools.export(project)
+    shared = project / "minivllm" / "shared.py"
+    shared.write_text(shared.read_text() + "\n\nclass Engine(Engine):\n    pass\n")
+    problems = notebook_tools.export_differences(project)
+    assert any(line.startswith("minivllm/shared.py line ") and line.endswith(
+        ": class Engine(Engine): a class step left unmerged") for line in problems)

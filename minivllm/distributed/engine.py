@@ -76,8 +76,6 @@ class TensorParallelEngine(LLMEngine):
             raise
         self.model_runner.workers = self.workers
 
-
-class TensorParallelEngine(TensorParallelEngine):
     def shutdown(self) -> None:
         """Stop the workers and leave the process group; safe to call twice."""
         self._finalizer()

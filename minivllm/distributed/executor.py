@@ -96,8 +96,6 @@ class TensorParallelWorkers:
                 raise RuntimeError(f"tensor-parallel worker rank {rank} failed to start:\n{error}")
             ready.add(rank)
 
-
-class TensorParallelWorkers(TensorParallelWorkers):
     def check_alive(self) -> None:
         """Raise, naming the rank, if a worker has exited: a collective with it could only fail or time out."""
         for rank, process in enumerate(self.processes, start=1):

@@ -44,7 +44,7 @@ def book_notebooks(folder: Path = NOTEBOOKS) -> list[Path]:
 
 def exported_modules(notebooks: list[Path], root: Path = ROOT) -> dict[Path, str]:
     """Module path -> the text the notebooks say it should contain."""
-    cells: dict[Path, list[str]] = {}
+    cells: dict[Path, list[tuple[str, str]]] = {}
     sources: dict[Path, list[str]] = {}
     for nb_path in notebooks:
         nb = nbformat.read(nb_path, as_version=4)
@@ -56,57 +56,80 @@ def exported_modules(notebooks: list[Path], root: Path = ROOT) -> dict[Path, str
             if not match:
                 continue
             target = match.group(1)
+            where = f"{nb_path.name} cell {index}"
             if not re.fullmatch(r"minivllm/[A-Za-z0-9_/]+\.py", target):
-                raise ValueError(f"{nb_path.name} cell {index}: export target {target!r} is not minivllm/<module>.py")
+                raise ValueError(f"{where}: export target {target!r} is not minivllm/<module>.py")
             module = root / target
-            cells.setdefault(module, []).append(body.strip("\n"))
+            cells.setdefault(module, []).append((where, body.strip("\n")))
             rel = nb_path.relative_to(root).as_posix() if nb_path.is_relative_to(root) else nb_path.name
             if rel not in sources.setdefault(module, []):
                 sources[module].append(rel)
-    return {module: module_text(module, root, sources[module], bodies) for module, bodies in cells.items()}
+    return {module: module_text(module, root, sources[module], found) for module, found in cells.items()}
 
 
 def module_name(module: Path, root: Path) -> str:
     return ".".join(module.relative_to(root).with_suffix("").parts)
 
 
-def module_text(module: Path, root: Path, sources: list[str], bodies: list[str]) -> str:
-    """The generated module: header, the cells' hoisted imports, then the cells' code in order."""
+def module_text(module: Path, root: Path, sources: list[str], cells: list[tuple[str, str]]) -> str:
+    """The generated module: header, the cells' hoisted imports, then the cells' code in order.
+    `cells`: (where, body) pairs, `where` naming the notebook and cell for error messages."""
     imports: list[ast.stmt] = []
     code: list[str] = []
-    for body in bodies:
+    for where, body in cells:
         found, rest = split_imports(body)
         imports += found
-        if rest.strip() and not merge_class_step(code, rest):
+        rest = merge_class_steps(code, rest, where) if rest.strip() else ""
+        if rest.strip():
             code.append(rest.strip("\n"))
     head = format_imports(imports, module_name(module, root))
     body = "\n\n\n".join(part for part in (head, "\n\n\n".join(code)) if part)
     return GENERATED.format(sources=", ".join(sources)) + "\n\n" + body + "\n"
 
 
-def merge_class_step(code: list[str], cell: str) -> bool:
-    """A class built in steps: a cell that is only `class Name(Name):` adds its methods to the class `Name`
-    defined by an earlier cell of the same module. The notebook runs it as a subclass; the module gets
-    one class, as if written in one piece. Returns whether the cell was merged."""
-    tree = ast.parse(cell)
-    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.ClassDef):
-        return False
-    step = tree.body[0]
-    if [getattr(b, "id", None) for b in step.bases] != [step.name] or step.keywords or step.decorator_list:
-        return False
-    for index in range(len(code) - 1, -1, -1):
-        target = next((node for node in ast.parse(code[index]).body
-                       if isinstance(node, ast.ClassDef) and node.name == step.name), None)
-        if target is not None:
-            lines = code[index].split("\n")
-            first = step.body[0]
-            if isinstance(first, ast.Expr) and isinstance(getattr(first, "value", None), ast.Constant):
-                raise ValueError(f"class step {step.name}: a docstring belongs to the class's first cell")
-            body = cell.rstrip("\n").split("\n")[step.lineno:]  # everything after the `class` line
-            lines[target.end_lineno:target.end_lineno] = [""] + body
-            code[index] = "\n".join(lines)
-            return True
-    raise ValueError(f"class step {step.name}({step.name}): no earlier cell of this module defines {step.name}")
+def is_class_step(node: ast.stmt) -> bool:
+    """`class Name(...)` with Name among its own bases: a step of a class an earlier cell began."""
+    return isinstance(node, ast.ClassDef) and any(getattr(b, "id", None) == node.name for b in node.bases)
+
+
+def merge_class_steps(code: list[str], cell: str, where: str) -> str:
+    """A class built in steps: a top-level `class Name(Name):` adds its body to the class `Name` defined by an
+    earlier cell of the same module. The notebook runs it as a subclass; the module gets one class, as if
+    written in one piece. The cell's other code stays, in order, and is returned without the steps. A step
+    that cannot be merged (other bases, keywords, decorators, a docstring, no earlier class) is refused
+    with its notebook and cell: never exported as a subclass of itself."""
+    lines = cell.split("\n")
+    steps = [node for node in ast.parse(cell).body if is_class_step(node)]
+    for step in steps:
+        name = f"class step {step.name}({step.name})"
+        if len(step.bases) != 1 or step.keywords or step.decorator_list:
+            raise ValueError(f"{where}: {name} must be exactly `class {step.name}({step.name}):`, "
+                             "without other bases, keywords or decorators, to be merged into its class")
+        first = step.body[0]
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            raise ValueError(f"{where}: {name}: a docstring belongs to the class's first cell")
+        for index in range(len(code) - 1, -1, -1):
+            target = next((node for node in ast.parse(code[index]).body
+                           if isinstance(node, ast.ClassDef) and node.name == step.name), None)
+            if target is not None:
+                chunk = code[index].split("\n")
+                chunk[target.end_lineno:target.end_lineno] = [""] + lines[step.lineno:step.end_lineno]
+                code[index] = "\n".join(chunk)
+                break
+        else:
+            raise ValueError(f"{where}: {name}: no earlier cell of this module defines {step.name}")
+    for step in reversed(steps):  # cut the merged steps out of the cell, with the blank lines they leave
+        start, end = step.lineno - 1, step.end_lineno
+        while end < len(lines) and not lines[end].strip() and (start == 0 or not lines[start - 1].strip()):
+            end += 1
+        del lines[start:end]
+    return "\n".join(lines)
+
+
+def self_subclasses(text: str) -> list[str]:
+    """`class X(X)` anywhere in a module's text, as 'line N: class X(X)': an unmerged class step."""
+    return [f"line {node.lineno}: class {node.name}({node.name})" for node in ast.walk(ast.parse(text))
+            if is_class_step(node)]
 
 
 def split_imports(body: str) -> tuple[list[ast.stmt], str]:
@@ -179,6 +202,12 @@ def export_differences(root: Path = ROOT, notebooks: list[Path] | None = None) -
             problems.append(f"{rel}: differs from the notebook cells that export it")
     for stale in sorted(set(generated_modules_on_disk(root)) - set(wanted)):
         problems.append(f"{stale.relative_to(root)}: generated, but no notebook exports it any more")
+    for module in sorted(m for m in wanted if m.exists()):
+        try:
+            found = self_subclasses(module.read_text())
+        except SyntaxError as error:
+            found = [f"line {error.lineno}: does not parse ({error.msg})"]
+        problems += [f"{module.relative_to(root)} {line}: a class step left unmerged" for line in found]
     return problems
 
 

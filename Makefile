@@ -40,6 +40,11 @@ bench: install
 	$(PY) -m minivllm.tools.bench spec --num-prompts 16 --output-len 256 --out bench/results
 	$(PY) -m minivllm.tools.bench serve --num-prompts 32 --output-len 128 --out bench/results
 
+## make vllm-cites: every vllm/... path and name the book cites exists in the pinned vLLM release (pip downloads
+## its wheel, --no-deps: needs the network, so not part of make test; VLLM_CITES_ARGS="--source DIR" reads a tree)
+vllm-cites: install
+	$(PY) -m minivllm.tools.vllm_cites $(VLLM_CITES_ARGS)
+
 ## make gpu-check: on a CUDA machine, chapter 8's kernel tests compiled and their benchmarks -> bench/gpu/
 gpu-check: install
 	$(PY) -m minivllm.tools.gpu_check

@@ -136,18 +136,18 @@ def run_minivllm(model_dir, prompts, output_lens, **engine_args) -> dict:
             "token_ids": [o.outputs[0].token_ids for o in outputs]}
 
 
-def run_hf_static(model_dir, prompts, output_lens, batch_size: int) -> dict:
+def run_hf_static(model_dir, prompts, output_lens, batch_size: int, dtype=torch.float32, device="cpu") -> dict:
     """transformers' generate in static batches, left-padded, in arrival order: a batch runs until its longest
     output is done; each request keeps (and is credited with) only the tokens it asked for."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     pad = model.config.pad_token_id or 0
 
     def run(batch, lens):
         width = max(len(p) for p in batch)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(lens),
                                  min_new_tokens=max(lens), do_sample=False, pad_token_id=pad)
@@ -164,13 +164,13 @@ def run_hf_static(model_dir, prompts, output_lens, batch_size: int) -> dict:
             "batch_size": batch_size, "token_ids": token_ids}
 
 
-def run_hf_continuous(model_dir, prompts, output_lens) -> dict:
+def run_hf_continuous(model_dir, prompts, output_lens, dtype=torch.float32, device="cpu") -> dict:
     """transformers' continuous batching with a paged cache (what `generate_batch` runs), each request with its
     own max_new_tokens."""
     from transformers import AutoModelForCausalLM, GenerationConfig
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(device).eval()
     config = GenerationConfig(max_new_tokens=max(output_lens), do_sample=False, eos_token_id=-1,
                               pad_token_id=model.config.pad_token_id or 0)
     model.generate_batch(prompts[:2], generation_config=config, max_new_tokens=2)  # warm-up

@@ -1,17 +1,25 @@
-"""`make gpu-check`: chapter 8's Triton kernels on a CUDA GPU.
+"""`make gpu-check`: chapter 8's Triton kernels and the engine on a CUDA GPU.
 
-    python -m minivllm.tools.gpu_check            # a CUDA machine: sized for under 8 minutes on one H200 (estimate)
-    python -m minivllm.tools.gpu_check --smoke    # anywhere with triton: tiny sizes (the interpreter on a CPU) into
-                                            # a temporary folder; checks this harness, measures nothing
+    python -m minivllm.tools.gpu_check            # a CUDA machine: sized for under 7 minutes on one H200 (estimate)
+    python -m minivllm.tools.gpu_check --smoke    # anywhere with triton: every step below at tiny sizes, on a
+                                                  # CPU in triton's interpreter; checks this harness, measures nothing
 
-1. runs tests/test_triton_attention.py with the kernels compiled;
+1. runs tests/test_triton_attention.py with the kernels compiled (with --smoke: its kernel tests, interpreted);
 2. sweeps the kernels' tile sizes on one large shape and keeps the fastest;
-3. decode attention: achieved GB/s against the GPU's peak bandwidth and against torch SDPA over K/V gathered
-   beforehand into contiguous tensors; then the same at several KV block sizes, and with split-K;
-4. prefill attention: TFLOP/s against torch SDPA (causal FlashAttention) on contiguous tensors.
+3. decode attention: achieved GB/s, and its fraction of the GPU's spec bandwidth, over batch 1-128 and context
+   1k-16k, against torch SDPA over K/V gathered beforehand into contiguous tensors; then KV block sizes 16-128,
+   and split-K;
+4. prefill attention: TFLOP/s against torch SDPA (causal FlashAttention) on contiguous tensors;
+5. the engine end to end on a random-init checkpoint of Qwen3-0.6B's shape in bfloat16 (save_pretrained):
+   greedy token agreement with transformers on the same device, output tokens/s against transformers'
+   `generate` (static batches) and `generate_batch` (continuous batching);
+6. chapter 9's draft sizing: the cost c of a draft pass against a target pass, for drafts of fewer layers, and
+   the speed-up chapter 9's cost model predicts from it.
 
-Results go to bench/gpu/<date>_<gpu>.json with a PNG per figure beside it, named alike; chapter 8 reads the
-newest. Plain module, not exported from a notebook: a benchmark harness, not engine code.
+Results go to bench/gpu/<date>_<gpu>.json (to $OUT when that variable is set, to a temporary folder with
+--smoke, or to --out) with a PNG per figure beside it, named alike; chapter 8 reads the newest. The date, the
+GPU's name, the torch and triton versions and the spec-sheet peaks are recorded. Plain module, not exported
+from a notebook: a benchmark harness, not engine code.
 """
 
 from __future__ import annotations
@@ -22,7 +30,6 @@ import json
 import math
 import os
 import platform
-import re
 import subprocess
 import sys
 import tempfile
@@ -31,7 +38,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+# chapter 8 draws the figures through this module's names
+from minivllm.tools.gpu_plots import plot_block_size_and_splits, plot_decode, plot_prefill, write  # noqa: F401
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository: minivllm/tools/gpu_check.py -> .
 RESULTS = ROOT / "bench" / "gpu"
 # spec-sheet HBM bandwidth (bytes/s) and dense bf16 tensor throughput (FLOP/s); matched on the device name
 SPEC_SHEETS = {
@@ -44,6 +54,9 @@ SPEC_SHEETS = {
 # the shape of one attention layer of a Llama-3-8B-sized model: 32 query heads sharing 8 kv heads of 128
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 TESTS_TIMEOUT_S = 240  # compiling every kernel variant the tests ask for takes a minute or two
+# with --smoke, the kernel tests that compare the kernels with the reference, interpreted (minutes for all)
+SMOKE_TESTS = ("test_decode_kernel_matches_reference and 16-2-64 or test_prefill_kernel_matches_reference and 16-2-64"
+               " or test_backend_writes_the_cache_and_matches_reference")
 
 
 class Sizes:
@@ -58,7 +71,7 @@ class Sizes:
         self.contexts = [16, 48] if smoke else [1024, 4096, 16384]
         self.block_size = 16
         self.big = (2, 48) if smoke else (64, 8192)  # (batch, context) for the sweeps
-        self.block_sizes = [4, 16] if smoke else [1, 2, 4, 8, 16, 32, 64, 128]
+        self.block_sizes = [4, 16] if smoke else [16, 32, 64, 128]
         self.splits = [1, 2] if smoke else [1, 2, 4, 8, 16]
         self.split_shapes = [(1, 48)] if smoke else [(1, 16384), (4, 16384), (32, 16384)]
         self.decode_tiles = [dict(block_n=16)] if smoke else [
@@ -70,6 +83,15 @@ class Sizes:
         self.prefills = [(2, 0, 16), (1, 16, 16)] if smoke else [
             (16, 0, 512), (8, 0, 1024), (4, 0, 2048), (2, 0, 4096), (1, 0, 8192), (4, 4096, 512), (1, 16384, 2048)]
         self.copy_bytes = 2**20 if smoke else 2**32
+        # the engine end to end: (model shape, (requests, (shortest, longest prompt), output tokens), prompts
+        # compared token by token with transformers); chapter 9's draft sizing: draft depths and k
+        from minivllm.tools.gpu_model_check import REAL_SHAPE, TOY_SHAPE
+
+        self.engine = (TOY_SHAPE, (3, (4, 12), 4), 2) if smoke else (REAL_SHAPE, (128, (128, 1024), 128), 8)
+        self.max_num_seqs = 4 if smoke else 128
+        self.hf_batch_size = 2 if smoke else 32
+        self.draft_layers = [1] if smoke else [1, 2, 4, 7]
+        self.draft_ks = [1, 2] if smoke else [1, 2, 4, 8]
 
 
 # ------------------------------------------------------------------ measuring
@@ -209,12 +231,17 @@ def best_of(configs: list[dict], measure) -> tuple[dict, list[dict]]:
 
 
 def run_tests(sizes: Sizes) -> dict:
-    if sizes.smoke:  # and the tests run a smoke check themselves
-        return {"skipped": "smoke run"}
+    """tests/test_triton_attention.py in a subprocess: all of it compiled on a GPU, its kernel tests in the
+    interpreter with --smoke. Never its own gpu_check tests, which would run this harness again."""
     start = time.time()
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = dict(os.environ)
+    if sizes.smoke:
+        env["TRITON_INTERPRET"] = "1"
+    else:
+        env.pop("TRITON_INTERPRET", None)
+    selection = f"({SMOKE_TESTS}) and not gpu_check" if sizes.smoke else "not gpu_check"
     try:
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", selection,
                                "tests/test_triton_attention.py"], cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=TESTS_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -257,6 +284,7 @@ def run(sizes: Sizes, device: torch.device) -> dict:
             row = {"batch": batch, "context": context,
                    "kernel_gbs": measure_decode(batch, context, sizes, device, **decode_tile),
                    "sdpa_gbs": measure_decode_sdpa(batch, context, sizes, device)}
+            row["kernel_fraction_of_peak"] = peak_bandwidth and row["kernel_gbs"] * 1e9 / peak_bandwidth
             results["decode"].append(row)
             print(f"  batch {batch:4d} context {context:6d}: triton {row['kernel_gbs']:8.1f} GB/s, "
                   f"sdpa {row['sdpa_gbs'] or float('nan'):8.1f} GB/s")
@@ -286,14 +314,17 @@ def run(sizes: Sizes, device: torch.device) -> dict:
         results["prefill"].append(row)
         print(f"  batch {batch:3d} context {context:6d} new {new:5d}: triton {row['kernel_tflops']:7.1f} TFLOP/s"
               + (f", sdpa {row['sdpa_tflops']:7.1f}" if row["sdpa_tflops"] else ""))
+
+    from minivllm.tools.gpu_model_check import draft_sizing, engine_check, timed
+
+    print(f"the engine against transformers, {results['dtype']}")
+    results["engine"] = timed(engine_check, sizes, device, "auto" if device.type == "cuda" else "triton")
+    print("chapter 9's draft sizing")
+    results["draft_sizing"] = timed(draft_sizing, sizes, device)
     return results
 
 
-# ------------------------------------------------------------------ reading results back, and drawing them
-
-
-def results_stem(results: dict) -> str:
-    return f"{results['date']}_{re.sub(r'[^A-Za-z0-9]+', '-', results['device']).strip('-')}"
+# ------------------------------------------------------------------ reading results back (the figures: gpu_plots)
 
 
 def latest_results(folder: Path = RESULTS) -> dict | None:
@@ -303,119 +334,21 @@ def latest_results(folder: Path = RESULTS) -> dict | None:
     return max(measured, key=lambda r: r["date"]) if measured else None
 
 
-def _peak_lines(ax, results: dict, unit: str) -> None:
-    if unit == "GB/s":
-        if results.get("peak_bandwidth_gbs"):
-            ax.axhline(results["peak_bandwidth_gbs"], color="black", linestyle="--", linewidth=1,
-                       label=f"spec peak {results['peak_bandwidth_gbs']:,.0f} GB/s")
-        ax.axhline(results["copy_bandwidth_gbs"], color="grey", linestyle=":", linewidth=1,
-                   label=f"copy {results['copy_bandwidth_gbs']:,.0f} GB/s")
-    elif results.get("peak_tflops"):
-        ax.axhline(results["peak_tflops"], color="black", linestyle="--", linewidth=1,
-                   label=f"spec peak {results['peak_tflops']:,.0f} TFLOP/s")
-
-
-def plot_decode(results: dict):
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.5), facecolor="white")
-    colors = plt.cm.viridis
-    batches = sorted({r["batch"] for r in results["decode"]})
-    for i, batch in enumerate(batches):
-        rows = [r for r in results["decode"] if r["batch"] == batch]
-        color = colors(i / max(1, len(batches) - 1))
-        ax.plot([r["context"] for r in rows], [r["kernel_gbs"] for r in rows], marker="o", color=color,
-                label=f"triton paged, batch {batch}")
-        ax.plot([r["context"] for r in rows], [r["sdpa_gbs"] or float("nan") for r in rows], marker="x", linestyle="--",
-                color=color, alpha=0.6, label=f"SDPA contiguous, batch {batch}")
-    _peak_lines(ax, results, "GB/s")
-    if results.get("peak_bandwidth_gbs"):
-        peak = results["peak_bandwidth_gbs"]
-        ax.secondary_yaxis("right", functions=(lambda y: 100 * y / peak, lambda p: p * peak / 100)).set_ylabel(
-            "% of spec peak")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("context length (tokens per sequence)")
-    ax.set_ylabel("achieved bandwidth (GB/s)")
-    ax.set_title(f"decode attention, {results['dtype']}, {results['device']}")
-    ax.legend(fontsize=7, ncol=2)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    return fig
-
-
-def plot_block_size_and_splits(results: dict):
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), facecolor="white")
-    rows = results["block_size"]
-    left.plot([r["block_size"] for r in rows], [r["kernel_gbs"] for r in rows], marker="o")
-    _peak_lines(left, results, "GB/s")
-    left.set_xscale("log", base=2)
-    left.set_xlabel("KV block size (tokens)")
-    left.set_ylabel("achieved bandwidth (GB/s)")
-    left.set_title("decode: KV block size")
-    left.legend(fontsize=7)
-    for batch, context in sorted({(r["batch"], r["context"]) for r in results["splits"]}):
-        rows = [r for r in results["splits"] if (r["batch"], r["context"]) == (batch, context)]
-        right.plot([r["num_splits"] for r in rows], [r["kernel_gbs"] for r in rows], marker="o",
-                   label=f"batch {batch}, context {context}")
-    _peak_lines(right, results, "GB/s")
-    right.set_xscale("log", base=2)
-    right.set_xlabel("splits per sequence (split-K)")
-    right.set_title("decode: split-K")
-    right.legend(fontsize=7)
-    for ax in (left, right):
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    return fig
-
-
-def plot_prefill(results: dict):
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 4), facecolor="white")
-    rows = results["prefill"]
-    labels = [f"{r['batch']}x{r['new']}" + (f"\nover {r['context']}" if r["context"] else "") for r in rows]
-    x = range(len(rows))
-    ax.bar([i - 0.2 for i in x], [r["kernel_tflops"] for r in rows], width=0.4, label="triton paged")
-    ax.bar([i + 0.2 for i in x], [r["sdpa_tflops"] or 0 for r in rows], width=0.4, label="SDPA contiguous (causal)")
-    _peak_lines(ax, results, "TFLOP/s")
-    ax.set_xticks(list(x), labels, fontsize=8)
-    ax.set_xlabel("batch x new tokens (over a cached context)")
-    ax.set_ylabel("TFLOP/s")
-    ax.set_title(f"prefill attention, {results['dtype']}, {results['device']}")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    return fig
-
-
-FIGURES = {"decode": plot_decode, "block_size_splits": plot_block_size_and_splits, "prefill": plot_prefill}
-
-
-def write(results: dict, folder: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    folder.mkdir(parents=True, exist_ok=True)
-    stem = results_stem(results)
-    written = [folder / f"{stem}.json"]
-    written[0].write_text(json.dumps(results, indent=1) + "\n")
-    for name, plot in FIGURES.items():
-        fig = plot(results)
-        written.append(folder / f"{stem}_{name}.png")
-        fig.savefig(written[-1], dpi=120, facecolor="white")
-        plt.close(fig)
-    return written
+def results_folder(out: Path | None, smoke: bool) -> Path:
+    """--out, else $OUT (a lent machine hands back what is written there), else bench/gpu (a temporary folder
+    for a smoke run, which must not stand in for measurements)."""
+    if out is not None:
+        return out
+    if os.environ.get("OUT"):
+        return Path(os.environ["OUT"]) / "gpu"
+    return Path(tempfile.mkdtemp(prefix="gpu-check-smoke-")) if smoke else RESULTS
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, any machine with triton; measures nothing")
-    parser.add_argument("--out", type=Path, help=f"results folder (default {RESULTS.relative_to(ROOT)}, "
-                                                 "or a temporary folder with --smoke)")
+    parser.add_argument("--out", type=Path, help=f"results folder (default $OUT/gpu when $OUT is set, else "
+                                                 f"{RESULTS.relative_to(ROOT)}, or a temporary folder with --smoke)")
     args = parser.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         print("gpu-check needs a CUDA GPU, and torch sees none (torch.cuda.is_available() is False).\n"
@@ -425,19 +358,26 @@ def main(argv: list[str] | None = None) -> int:
     if not args.smoke and os.environ.get("TRITON_INTERPRET") == "1":
         print("TRITON_INTERPRET=1 is set: unset it, gpu-check measures the compiled kernels.", file=sys.stderr)
         return 2
-    from minivllm.kernels.interpreter import triton_available
+    from minivllm.kernels.interpreter import triton_available, use_interpreter_without_gpu
 
     if not triton_available():
         print("gpu-check needs the triton package (pip install triton).", file=sys.stderr)
+        return 2
+    if args.smoke and not use_interpreter_without_gpu():  # must happen before anything imports triton
+        print("--smoke on a CPU needs triton's interpreter, and triton was imported before it could be turned on: "
+              "run it in a fresh process, or set TRITON_INTERPRET=1.", file=sys.stderr)
         return 2
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     started = time.time()
     results = run(Sizes(args.smoke), device)
     results["seconds"] = round(time.time() - started, 1)
-    folder = args.out or (Path(tempfile.mkdtemp(prefix="gpu-check-smoke-")) if args.smoke else RESULTS)
-    for path in write(results, folder):
+    for path in write(results, results_folder(args.out, args.smoke)):
         print(f"wrote {path}")
-    return 0 if results["tests"].get("passed", True) else 1
+    failed = [step for step in ("engine", "draft_sizing") if "error" in results[step]]
+    if not results["tests"]["passed"] or failed:
+        print(f"FAILED: {'the tests' if not results['tests']['passed'] else ''} {' '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

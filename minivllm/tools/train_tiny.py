@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-MODELS_DIR = Path(__file__).parent / "models"
+MODELS_DIR = Path(__file__).resolve().parents[1] / "models"  # minivllm/models, where the loader finds them
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}"

@@ -65,11 +65,54 @@ TOKENS = list(range(100, 124))  # 6 blocks of 4
 
 def test_prefix_aware_picks_the_longest_cached_prefix():
     router = router_with("prefix-aware", {0: 2, 1: 5, 2: 3}, TOKENS)
-    router.in_flight = [0, 9, 0]  # load does not outweigh a longer prefix
+    router.in_flight = [0, 4, 0]  # within the load bound, load does not outweigh a longer prefix
     assert router.route(TOKENS) == (1, 5)
-    assert router.in_flight == [0, 10, 0]
+    assert router.in_flight == [0, 5, 0]
     router.finished(1)
-    assert router.in_flight == [0, 9, 0]
+    assert router.in_flight == [0, 4, 0]
+
+
+def test_prefix_aware_follows_the_cache_only_within_its_load_bound():
+    """Issue 27 item 7: one hot prefix must not pin one replica. Past `load_bound` requests in flight beyond
+    the least loaded replica, the holder of the longest prefix is passed over for the best of the others."""
+    for bound, in_flight, expected in [(4, [0, 5, 0], 2), (4, [1, 5, 1], 1), (2, [0, 3, 1], 2), (0, [1, 1, 0], 2),
+                                       (None, [0, 90, 0], 1)]:
+        router = router_with("prefix-aware", {0: 2, 1: 5, 2: 3}, TOKENS)
+        router.policy.load_bound, router.in_flight = bound, list(in_flight)
+        assert router.route(TOKENS)[0] == expected, (bound, in_flight)
+
+
+def test_a_request_s_blocks_stay_pending_until_confirmed_refused_or_timed_out():
+    """Issue 29 item 3 / issue 27 item 7: the router records a routed request's new blocks as pending; a refusal
+    or the timeout drops them, a BlockStored makes them facts that neither can drop."""
+    router = Router(2, "prefix-aware", block_size=4, pending_timeout=0.2)
+    chain = block_hashes(TOKENS, 4)
+    replica, hit, pending = router.route_blocks(chain)
+    assert (hit, pending) == (0, chain) and router.index.cached_prefix(replica, chain) == 6
+    router.refused(replica, pending)  # the replica answered 400: it holds none of them
+    assert router.index.cached_prefix(replica, chain) == 0 and not router.index.pending[replica]
+    router.finished(replica)
+    replica, _, pending = router.route_blocks(chain)
+    router.index.apply(replica, BlockStored(chain[:3], None, TOKENS[:12], 4))  # the first 3 confirmed
+    router.refused(replica, pending)
+    assert router.index.cached_prefix(replica, chain) == 3
+    router.finished(replica)
+    replica, _, pending = router.route_blocks(chain)  # routed home; blocks 4 to 6 pending again
+    assert pending == chain[3:] and router.index.cached_prefix(replica, chain) == 6
+    time.sleep(0.25)
+    router.finished(replica)
+    router.route_blocks([])  # any routing decision first drops the guesses whose time is up
+    assert router.index.cached_prefix(replica, chain) == 3 and not router.index.pending[replica]
+
+
+def test_refused_prompts_do_not_grow_the_index():
+    """Issue 29 item 3's reproducer, made small: 30 refused prompts of 20,000 tokens leave nothing behind."""
+    router = Router(2, "prefix-aware", block_size=16)
+    for i in range(30):
+        replica, _, pending = router.route_blocks(router.hash([i] * 20_000))
+        router.refused(replica, pending)
+        router.finished(replica)
+    assert [len(b) for b in router.index.blocks] == [0, 0] and not any(router.index.pending)
 
 
 def test_prefix_aware_breaks_ties_by_load_then_in_turn():

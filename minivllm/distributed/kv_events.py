@@ -102,9 +102,34 @@ def event_to_json(event) -> dict:
     return body
 
 
-def event_from_json(body: dict):
-    hashes = [bytes.fromhex(h) for h in body.get("block_hashes", [])]
-    if body["type"] == "stored":
-        parent = body["parent_block_hash"]
-        return BlockStored(hashes, parent and bytes.fromhex(parent), body["token_ids"], body["block_size"])
-    return BlockRemoved(hashes) if body["type"] == "removed" else AllBlocksCleared()
+def event_from_json(body):
+    """The event a JSON body describes; ValueError naming what is wrong with anything else (a consumer
+    skips such a line: it never guesses, and an unknown type clears nothing)."""
+    if not isinstance(body, dict) or body.get("type") not in ("stored", "removed", "cleared"):
+        raise ValueError(f"not a KV event: {str(body)[:80]}")
+    if body["type"] == "cleared":
+        return AllBlocksCleared()
+    hashes = [hex_hash(h, "block_hashes") for h in checked_list(body.get("block_hashes"), str, "block_hashes")]
+    if body["type"] == "removed":
+        return BlockRemoved(hashes)
+    parent = body.get("parent_block_hash")
+    size = body.get("block_size")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"KV event block_size {str(size)[:20]}: not a positive integer")
+    return BlockStored(hashes, None if parent is None else hex_hash(parent, "parent_block_hash"),
+                       checked_list(body.get("token_ids"), int, "token_ids"), size)
+
+
+def checked_list(value, kind: type, field: str) -> list:
+    if not isinstance(value, list) or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value):
+        raise ValueError(f"KV event {field}: not a list of {kind.__name__}")
+    return value
+
+
+def hex_hash(text, field: str) -> bytes:
+    if not isinstance(text, str) or len(text) > 128:
+        raise ValueError(f"KV event {field}: not a hash in hex")
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        raise ValueError(f"KV event {field}: not a hash in hex") from None

@@ -4,6 +4,9 @@
     python -m minivllm.tools.bench compare --workload all --out bench/results  # `make bench`: minivllm vs transformers
     python -m minivllm.tools.bench spec --out bench/results                  # speculative decoding (chapter 9)
     python -m minivllm.tools.bench serve --out bench/results                 # the server under Poisson load (chapter 10)
+    python -m minivllm.tools.bench overhead --out bench/results              # the engine's non-model time per step
+
+Every command takes vLLM's engine arguments (--max-num-seqs, --block-size, ...: minivllm/engine/arg_utils.py).
 
 `compare` runs the same requests (greedy, ignore_eos) on the same random-init checkpoint through minivllm,
 transformers' `generate` in static padded batches, and transformers' `generate_batch` (its continuous batching
@@ -34,6 +37,10 @@ import time
 from pathlib import Path
 
 import torch
+
+from minivllm.engine.arg_utils import EngineArgs
+from minivllm.tools.bench_baselines import run_hf_continuous, run_hf_static
+from minivllm.tools.bench_overhead import overhead
 
 BENCH_SHAPE = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=10, num_attention_heads=8,
                    num_key_value_heads=4, head_dim=64, vocab_size=2048, max_position_embeddings=2048)
@@ -136,65 +143,6 @@ def run_minivllm(model_dir, prompts, output_lens, **engine_args) -> dict:
             "token_ids": [o.outputs[0].token_ids for o in outputs]}
 
 
-def run_hf_static(model_dir, prompts, output_lens, batch_size: int, dtype=torch.float32, device="cpu") -> dict:
-    """transformers' generate in static batches, left-padded, in arrival order: a batch runs until its longest
-    output is done; each request keeps (and is credited with) only the tokens it asked for."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-    pad = model.config.pad_token_id or 0
-
-    def run(batch, lens):
-        width = max(len(p) for p in batch)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
-        with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(lens),
-                                 min_new_tokens=max(lens), do_sample=False, pad_token_id=pad)
-        return [row[:n] for row, n in zip(out[:, width:].tolist(), lens)]
-
-    run(prompts[:2], [2, 2])  # warm-up
-    start = time.perf_counter()
-    token_ids = []
-    for i in range(0, len(prompts), batch_size):
-        token_ids += run(prompts[i:i + batch_size], output_lens[i:i + batch_size])
-    elapsed = time.perf_counter() - start
-    tokens = sum(len(t) for t in token_ids)
-    return {"seconds": elapsed, "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed,
-            "batch_size": batch_size, "token_ids": token_ids}
-
-
-def run_hf_continuous(model_dir, prompts, output_lens, dtype=torch.float32, device="cpu") -> dict:
-    """transformers' continuous batching with a paged cache (what `generate_batch` runs), each request with its
-    own max_new_tokens."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
-    from transformers.generation.continuous_batching.utils import WorkloadHints
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(device).eval()
-    config = GenerationConfig(max_new_tokens=max(output_lens), do_sample=False, eos_token_id=-1,
-                              pad_token_id=model.config.pad_token_id or 0)
-    model.generate_batch(prompts[:2], generation_config=config, max_new_tokens=2)  # warm-up
-    hints = WorkloadHints(max_prompt_length=max(map(len, prompts)), max_generated_length=max(output_lens),
-                          num_requests=len(prompts))
-    start = time.perf_counter()
-    with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=5,
-                                                   workload_hints=hints) as manager:
-        ids = [manager.add_request(p, request_id=f"r{i}", max_new_tokens=n)
-               for i, (p, n) in enumerate(zip(prompts, output_lens))]
-        results = {}
-        while len(results) < len(ids):
-            result = manager.get_result(timeout=1)
-            if result is not None and result.is_finished():
-                results[result.request_id] = result
-            elif result is None and not manager.is_running():
-                raise RuntimeError("transformers' continuous batching stopped before finishing")
-    elapsed = time.perf_counter() - start
-    token_ids = [list(results[i].generated_tokens) for i in ids]
-    tokens = sum(len(t) for t in token_ids)
-    return {"seconds": elapsed, "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed,
-            "token_ids": token_ids}
-
-
 def machine() -> dict:
     return {"date": datetime.date.today().isoformat(), "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
@@ -239,8 +187,7 @@ def compare_one(name: str, architecture: str, prompts, output_lens, hf_batch_siz
         runs, rate = {}, 0.0
         for round_ in range(repeats):  # engines alternate, round after round; each keeps its fastest run
             for run_name, run in [
-                ("minivllm", lambda: run_minivllm(folder, prompts, output_lens, max_num_seqs=args.max_num_seqs,
-                                                  max_num_batched_tokens=args.max_num_batched_tokens)),
+                ("minivllm", lambda: run_minivllm(folder, prompts, output_lens, **args.engine_kwargs)),
                 ("transformers_generate_static", lambda: run_hf_static(folder, prompts, output_lens, hf_batch_size)),
                 ("transformers_generate_batch", lambda: run_hf_continuous(folder, prompts, output_lens)),
             ]:
@@ -293,8 +240,7 @@ def compare(args) -> dict:
             prompts = chat_workload(smollm2_tokenizer(), count, args.seed)
         lens = output_lengths(count, *output_range, args.seed)
         results[name] = compare_one(name, architecture, prompts, lens, batch, args.repeats or repeats, args)
-    return {"machine": machine(), "engine_settings": {"max_num_seqs": args.max_num_seqs,
-                                                      "max_num_batched_tokens": args.max_num_batched_tokens},
+    return {"machine": machine(), "engine_settings": args.engine_kwargs,
             "workloads": results}
 
 
@@ -349,7 +295,7 @@ def serve(args) -> dict:
     results = {}
     with tempfile.TemporaryDirectory() as folder:
         params = make_bench_checkpoint(Path(folder))
-        llm = LLM(folder, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+        llm = LLM(folder, **args.engine_kwargs)
         with BackgroundServer(llm) as server:
             asyncio.run(run_load(server.url, warmup, float("inf"), 8))
             for rate in args.request_rates:
@@ -364,8 +310,7 @@ def serve(args) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["engine", "compare", "spec", "serve"])
-    parser.add_argument("--model", default=None, help="checkpoint for `engine` (default: a random-init 32M Qwen3)")
+    parser.add_argument("command", choices=["engine", "compare", "spec", "serve", "overhead"])
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--min-prompt", type=int, default=32)
     parser.add_argument("--max-prompt", type=int, default=256)
@@ -377,10 +322,7 @@ def main(argv=None) -> int:
                         help="compare: rounds, engines alternating, each keeping its fastest (default: the workload's)")
     parser.add_argument("--workload", default="custom", choices=["custom", *WORKLOADS, "all"],
                         help="compare: a named workload, all of them, or custom (the length flags)")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--hf-batch-size", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip", nargs="*", default=[])
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 6], help="spec: draft lengths")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8], help="spec: requests at a time")
@@ -389,8 +331,12 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads for every run (default: torch's own choice, one per core)")
     parser.add_argument("--out", type=Path, default=None, help="folder for the JSON result")
+    EngineArgs.add_cli_args(parser, model_help="checkpoint for `engine` (default: a random-init 32M Qwen3)")
     args = parser.parse_args(argv)
-    for name in ("num_prompts", "min_prompt", "output_len", "max_num_seqs", "max_num_batched_tokens", "hf_batch_size"):
+    EngineArgs.from_cli_args(args).check(parser)
+    args.engine_kwargs = EngineArgs.from_cli_args(args).llm_kwargs()  # --seed also seeds the workloads
+    del args.engine_kwargs["model"]
+    for name in ("num_prompts", "min_prompt", "output_len", "hf_batch_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_prompt < args.min_prompt:
@@ -407,14 +353,13 @@ def main(argv=None) -> int:
         if args.threads < 1:
             parser.error("--threads must be >= 1")
         torch.set_num_threads(args.threads)
-    if args.command in ("compare", "spec", "serve"):
-        result = {"compare": compare, "spec": spec, "serve": serve}[args.command](args)
+    if args.command in ("compare", "spec", "serve", "overhead"):
+        result = {"compare": compare, "spec": spec, "serve": serve, "overhead": overhead}[args.command](args)
     else:
         prompts = workload(args.num_prompts, args.min_prompt, args.max_prompt, args.seed)
         with tempfile.TemporaryDirectory() as folder:
             model = args.model or (make_bench_checkpoint(Path(folder)) and folder)
-            run = run_minivllm(model, prompts, [args.output_len] * len(prompts), max_num_seqs=args.max_num_seqs,
-                               max_num_batched_tokens=args.max_num_batched_tokens)
+            run = run_minivllm(model, prompts, [args.output_len] * len(prompts), **args.engine_kwargs)
         run.pop("token_ids")
         result = {"machine": machine(), "workload": vars(args) | {"out": str(args.out)}, "minivllm": run}
     text = json.dumps(result, indent=2, default=str)

@@ -63,7 +63,8 @@ def engine_check(sizes, device: torch.device, backend: str) -> dict:
     """The engine on `device` against transformers on the same checkpoint: greedy token agreement in float32
     and in the run's dtype (bf16 rounds ties differently in two implementations, so there it is a fraction),
     then output tokens/s of the engine, of `generate` in static batches and of `generate_batch`."""
-    from minivllm.tools.bench import output_lengths, run_hf_continuous, run_hf_static, run_minivllm, workload
+    from minivllm.tools.bench import output_lengths, run_minivllm, workload
+    from minivllm.tools.bench_baselines import run_hf_continuous, run_hf_static
 
     shape, (num_prompts, prompt_lens, output_len), agree_prompts = sizes.engine
     vocab = shape["vocab_size"]

@@ -31,7 +31,8 @@ def run(tmp_path, capsys, markdown):
 def test_present_paths_and_names_pass(tmp_path, capsys):
     status, out = run(tmp_path, capsys, "`Scheduler.schedule` (`vllm/v1/core/sched/scheduler.py`) and "
                       "`vllm/v1/core/block_pool.py` (`BlockPool`); the runner in `vllm/v1/worker/gpu/`; "
-                      "minivllm/core/scheduler.py is ours, github.com/vllm-project/vllm/pull/1 a link.")
+                      "minivllm/core/scheduler.py is ours, github.com/vllm-project/vllm/pull/1 a link; "
+                      "`vllm/attention/layer.py` in v0.11 and `vllm/worker/model_runner.py` (v0.6) are history.")
     assert status == 0, out
     assert "3 cited paths, 2 cited names: all present" in out
 

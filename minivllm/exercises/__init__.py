@@ -6,11 +6,22 @@
 runs behaviour tests against a reader's function and prints, for each, whether it passed and why
 not (`run_checks` returns the same as a value). Each chapter's exercises live in `chNN.py` beside this file,
 registered with `@exercise("<NN>.<name>")`; `EXERCISES` lists them all.
+
+Randomised cases draw from `case_random(...)`, seeded by the environment variable MINIVLLM_CHECK_SEED (0 when
+unset): a grader reruns them with another seed (`python -m minivllm grade --seed N`), so an answer that
+hard-codes the cases a notebook printed fails. When MINIVLLM_CHECK_RECORD names a file, `check` also appends
+one JSON line per call to it ({"name", "passed", "report"}): that is how the grader collects results.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import json
+import os
 import pkgutil
+import random
+import sys
 import traceback
 from importlib import import_module
 from typing import Callable
@@ -18,6 +29,22 @@ from typing import Callable
 import torch
 
 EXERCISES: dict[str, Callable] = {}
+SEED_VARIABLE = "MINIVLLM_CHECK_SEED"
+RECORD_VARIABLE = "MINIVLLM_CHECK_RECORD"
+
+
+def check_seed() -> int:
+    """The seed of every randomised case: MINIVLLM_CHECK_SEED, or 0."""
+    value = os.environ.get(SEED_VARIABLE, "0")
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{SEED_VARIABLE}={value!r}: the check seed must be an integer") from None
+
+
+def case_random(stream: str) -> random.Random:
+    """A random generator for one exercise's randomised cases (`stream` keeps exercises independent)."""
+    return random.Random(f"{check_seed()}/{stream}")
 
 
 def exercise(name: str):
@@ -45,14 +72,36 @@ def close(actual, expected, what: str, atol=1e-5, rtol=1e-5) -> None:
            f"{what}: max abs difference {error:.2e} from the reference")
 
 
+@contextlib.contextmanager
+def forbidden_calls(functions, rule: str):
+    """Inside, the reader's code may not call any of `functions` (however it imported them: calls are
+    watched by code object); a call fails the check with `rule` once the block ends."""
+    codes = {inspect.unwrap(f).__code__: f"{f.__module__}.{f.__qualname__}" for f in functions}
+    called: list[str] = []
+    previous = sys.getprofile()
+
+    def watch(frame, event, arg):
+        if event == "call" and frame.f_code in codes:
+            called.append(codes[frame.f_code])
+
+    sys.setprofile(watch)
+    try:
+        yield
+    finally:
+        sys.setprofile(previous)
+    if called:
+        raise CheckFailed(f"{called[0]} was called: {rule}")
+
+
 def _load_chapters() -> None:
     for module in pkgutil.iter_modules(__path__):
         if module.name.startswith("ch"):
             import_module(f"{__name__}.{module.name}")
 
 
-def run_checks(name: str, candidate) -> tuple[bool, list[str]]:
-    """Run exercise `name`'s behaviour tests against `candidate`: (all passed, one report line per test)."""
+def run_checks(name: str, candidate, stop_at_failure: bool = False) -> tuple[bool, list[str]]:
+    """Run exercise `name`'s behaviour tests against `candidate`: (all passed, one report line per test).
+    With stop_at_failure, the tests after the first failed one are not run (a quick verdict)."""
     _load_chapters()
     if name not in EXERCISES:
         raise KeyError(f"no exercise {name!r}; known: {', '.join(sorted(EXERCISES))}")
@@ -71,10 +120,18 @@ def run_checks(name: str, candidate) -> tuple[bool, list[str]]:
         else:
             passed += 1
             report.append(f"✓ {description}")
+            continue
+        if stop_at_failure:
+            return False, report + [f"{name}: stopped at the first failed check"]
     summary = f"all {len(cases)} checks passed" if passed == len(cases) else f"{passed} of {len(cases)} checks passed"
     return passed == len(cases), report + [f"{name}: {summary}"]
 
 
 def check(name: str, candidate) -> None:
     """Run exercise `name`'s behaviour tests against `candidate` and print what passed, what failed and why."""
-    print("\n".join(run_checks(name, candidate)[1]))
+    passed, report = run_checks(name, candidate)
+    record = os.environ.get(RECORD_VARIABLE)
+    if record:
+        with open(record, "a", encoding="utf-8") as file:
+            file.write(json.dumps({"name": name, "passed": passed, "report": report}) + "\n")
+    print("\n".join(report))

@@ -1,8 +1,41 @@
 """Chapter 3 exercises."""
 
-import torch
+import contextlib
 
-from minivllm.exercises import close, exercise, expect
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from minivllm.exercises import CheckFailed, case_random, close, exercise, expect
+
+_BY_HAND = "the exercise asks for attention by hand: scores, softmax and the weighted sum, not a library's attention"
+
+
+class _NoAttentionFunctions(TorchFunctionMode):
+    """Refuses torch's attention functions, however they were imported (F.scaled_dot_product_attention, the
+    module behind nn.MultiheadAttention)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (F.scaled_dot_product_attention, F.multi_head_attention_forward):
+            raise CheckFailed(f"{func.__name__} was called: {_BY_HAND}")
+        return func(*args, **(kwargs or {}))
+
+
+class _NoAttentionKernels(TorchDispatchMode):
+    """Refuses every fused attention operator at the dispatcher (torch.ops.aten.*scaled_dot_product*)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "scaled_dot_product" in str(func):
+            raise CheckFailed(f"{func} was called: {_BY_HAND}")
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def by_hand():
+    """Inside, a call of a library attention function or kernel fails the check."""
+    with _NoAttentionFunctions(), _NoAttentionKernels():
+        yield
 
 
 @exercise("03.kv_cache_bytes")
@@ -39,13 +72,21 @@ def _decode_attention():
             k_cache[length:] = 1e4  # slots past `length` are stale: reading them is a bug
             v_cache[length:] = 1e4
             expected = causal_attention(q[None], k_cache[:length], v_cache[:length])[0]
-            close(decode_attention(q, k_cache, v_cache, length), expected,
-                  f"{num_heads} heads over {num_kv_heads} kv heads, {length} of {max_len} slots", atol=1e-4, rtol=1e-4)
+            with by_hand():
+                got = decode_attention(q, k_cache, v_cache, length)
+            close(got, expected, f"{num_heads} heads over {num_kv_heads} kv heads, {length} of {max_len} slots",
+                  atol=1e-4, rtol=1e-4)
         return test
 
+    rng = case_random("03.decode_attention")
+    kv_heads, group = rng.choice([1, 2, 4]), rng.choice([1, 2, 3])
+    max_len = rng.randrange(8, 64)
     return [
         ("multi-head, one cached token", case(4, 4, 8, 6, 1, 0)),
         ("multi-head, a full row", case(4, 4, 16, 12, 12, 1)),
         ("grouped-query: 8 heads over 2 kv heads", case(8, 2, 16, 32, 20, 2)),
         ("multi-query: 6 heads over 1 kv head", case(6, 1, 32, 40, 33, 3)),
+        (f"random: {kv_heads * group} heads over {kv_heads} kv heads",
+         case(kv_heads * group, kv_heads, rng.choice([8, 16, 32]), max_len, rng.randrange(1, max_len + 1),
+              rng.randrange(1000))),
     ]

@@ -1,6 +1,8 @@
 """Chapter 6 exercises."""
 
-from minivllm.exercises import exercise, expect
+from dataclasses import dataclass
+
+from minivllm.exercises import case_random, exercise, expect
 
 
 def _reference_plan(running_behind, waiting_behind, budget, max_num_seqs):
@@ -22,6 +24,10 @@ def _reference_plan(running_behind, waiting_behind, budget, max_num_seqs):
 
 @exercise("06.plan")
 def _plan():
+    rng = case_random("06.plan")
+    random_cases = [([rng.choice([1, 1, 1, rng.randrange(2, 60)]) for _ in range(rng.randrange(0, 6))],
+                     [rng.randrange(1, 80) for _ in range(rng.randrange(0, 5))], rng.randrange(1, 64),
+                     rng.randrange(5, 9)) for _ in range(20)]
     def case(running, waiting, budget, seqs, what):
         def test(plan):
             got = plan(list(running), list(waiting), budget, seqs)
@@ -37,6 +43,7 @@ def _plan():
         ("max_num_seqs stops admissions", case([1, 1], [3, 3, 3], 64, 3, "one seat left")),
         ("a running prefill chunk continues first", case([50, 1], [20], 40, 8, "")),
         ("no budget left for waiting requests", case([1] * 8, [4], 8, 16, "")),
+        *[(f"random case {i}", case(*draw, "random")) for i, draw in enumerate(random_cases)],
     ]
 
 
@@ -49,57 +56,124 @@ def _preemption_order():
             expect(got == want, f"preemption_order({arrivals}) = {got}, expected {want}")
         return test
 
+    rng = case_random("06.preemption_order")
     return [
         ("already in arrival order", case([1.0, 2.0, 3.0])),
         ("any order", case([5.5, 0.1, 3.2, 4.0])),
         ("one request", case([7.0])),
+        ("random arrival times", case([round(rng.uniform(0, 100), 3) for _ in range(rng.randrange(5, 12))])),
     ]
+
+
+@dataclass
+class _Step:
+    """What one call of schedule() did: the ids it scheduled (with token counts) and preempted, in order,
+    and which requests were running when the step began."""
+    scheduled: list[tuple[str, int]]
+    preempted: list[str]
+    running_before: list[str]
+    chunked: bool  # some request got fewer tokens than it is behind
+
+
+def _recording_scheduler(steps: list[_Step], schedule=None):
+    """A Scheduler subclass that logs every step, running `schedule(self)` (the reader's) instead of its own."""
+    from minivllm.core.scheduler import Scheduler
+
+    class RecordingScheduler(Scheduler):
+        def schedule(self):
+            before = [r.request_id for r in self.running]
+            out = super().schedule() if schedule is None else schedule(self)
+            steps.append(_Step([(r.request_id, n) for r, n in out.scheduled], [r.request_id for r in out.preempted],
+                               before, any(n < r.num_tokens - r.num_computed_tokens for r, n in out.scheduled)))
+            if schedule is not None:
+                _expect_limits(self, out)
+            return out
+    return RecordingScheduler
+
+
+def _expect_limits(scheduler, out) -> None:
+    total = sum(n for _, n in out.scheduled)
+    expect(total <= scheduler.max_num_batched_tokens,
+           f"a step scheduled {total} tokens, over the budget of {scheduler.max_num_batched_tokens}")
+    expect(len(scheduler.running) <= scheduler.max_num_seqs,
+           f"{len(scheduler.running)} requests running, over max_num_seqs = {scheduler.max_num_seqs}")
+    ids = [r.request_id for r, _ in out.scheduled]
+    expect(len(ids) == len(set(ids)), f"a request scheduled twice in one step: {ids}")
+    for request, n in out.scheduled:
+        expect(request.status == "running" and n > 0,
+               f"request {request.request_id} scheduled with {n} tokens, status {request.status!r}")
+
+
+def _policy_problem(k: int, mine: _Step, ref: _Step) -> str | None:
+    """Where the reader's step k leaves the engine's policy, named by the rule it breaks."""
+    order = [rid for rid, _ in mine.scheduled]
+    admitted = [rid for rid in order if rid not in mine.running_before]
+    first_admitted = order.index(admitted[0]) if admitted else len(order)
+    late = [rid for rid in order[first_admitted:] if rid in mine.running_before]
+    if late:
+        return (f"step {k}: waiting request {admitted[0]} was served before running request {late[0]} "
+                f"(running requests come first)")
+    starved = [rid for rid, _ in ref.scheduled if rid in mine.running_before and rid not in order
+               and rid not in mine.preempted]
+    if admitted and starved:
+        return (f"step {k}: admitted waiting request {admitted[0]} while running request {starved[0]} got nothing "
+                f"(running requests come first)")
+    if mine.preempted and admitted:
+        return f"step {k}: preempted {mine.preempted}, then admitted {admitted} in the same step"
+    if mine.preempted != ref.preempted:
+        return (f"step {k}: preempted {mine.preempted}, the engine's scheduler preempts {ref.preempted} "
+                f"(the newest running request first; running were {mine.running_before})")
+    if mine.scheduled != ref.scheduled:
+        return f"step {k}: scheduled {mine.scheduled}, the engine's scheduler schedules {ref.scheduled}"
+    return None
 
 
 @exercise("06.schedule")
 def _schedule():
-    """The reader's schedule(scheduler) -> SchedulerOutput replaces Scheduler.schedule in a real LLMEngine."""
-    from minivllm.book.mechanism_checks import divergence, greedy_reference, passage_prompts, run_engine
+    """The reader's schedule(scheduler) -> SchedulerOutput replaces Scheduler.schedule in a real LLMEngine that
+    runs side by side with an engine keeping its own Scheduler, on the same requests: step for step, the same
+    requests in the same order, the same preemption victims, then the same tokens and every block back."""
+    from minivllm.book.mechanism_checks import passage_prompts, tiny_model
     from minivllm.config import EngineConfig
-    from minivllm.core.scheduler import Scheduler
+    from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.sampling_params import SamplingParams
 
-    def scheduler_class(schedule, chunks):
-        class ReaderScheduler(Scheduler):
-            def schedule(self):
-                out = schedule(self)
-                total = sum(n for _, n in out.scheduled)
-                expect(total <= self.max_num_batched_tokens,
-                       f"a step scheduled {total} tokens, over the budget of {self.max_num_batched_tokens}")
-                expect(len(self.running) <= self.max_num_seqs,
-                       f"{len(self.running)} requests running, over max_num_seqs = {self.max_num_seqs}")
-                ids = [r.request_id for r, _ in out.scheduled]
-                expect(len(ids) == len(set(ids)), f"a request scheduled twice in one step: {ids}")
-                for request, n in out.scheduled:
-                    expect(request.status == "running" and n > 0,
-                           f"request {request.request_id} scheduled with {n} tokens, status {request.status!r}")
-                    chunks.append(n < request.num_tokens - request.num_computed_tokens)
-                return out
-        return ReaderScheduler
+    def engine(prompts, max_tokens, config, scheduler_class):
+        model, tokenizer, _ = tiny_model()
+        built = LLMEngine(model, tokenizer, config)
+        built.scheduler.__class__ = scheduler_class  # the engine's scheduler, as configured, recording its steps
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            built.add_request(str(i), prompt, params)
+        return built
 
-    def case(lengths, max_tokens, blocks, budget, seqs, preempts):
+    def case(lengths, max_tokens, blocks, budget, seqs, preempts, max_steps=400):
         def test(schedule):
-            prompts, chunks = passage_prompts(lengths), []
+            prompts, mine, ref = passage_prompts(lengths), [], []
             config = EngineConfig(block_size=4, num_kv_blocks=blocks, max_num_seqs=seqs, max_num_batched_tokens=budget)
-            engine, outputs = run_engine(prompts, max_tokens, config, scheduler_class(schedule, chunks))
-            for i, prompt in enumerate(prompts):
-                where = divergence(outputs[i], greedy_reference(prompt, max_tokens))
-                expect(where is None, f"request {i} ({len(prompt)}-token prompt): {where}")
-            pool = engine.kv_manager.pool
+            reader = engine(prompts, max_tokens, config, _recording_scheduler(mine, schedule))
+            reference = engine(prompts, max_tokens, config, _recording_scheduler(ref))
+            for k in range(max_steps):
+                if not reference.has_unfinished_requests():
+                    break
+                reference.step()
+                reader.step()
+                problem = _policy_problem(k, mine[-1], ref[-1])
+                expect(problem is None, problem)
+            expect(not reader.has_unfinished_requests(), "the engine's scheduler finished every request, yours did "
+                                                         f"not: {[r.request_id for r in reader.scheduler.waiting]}")
+            for i in range(len(prompts)):
+                got, want = (list(e.output(str(i)).outputs[0].token_ids) for e in (reader, reference))
+                expect(got == want, f"request {i}: tokens {got}, the engine's own scheduler gives {want}")
+            pool = reader.kv_manager.pool
             expect(pool.num_free == pool.num_blocks, f"{pool.num_blocks - pool.num_free} blocks held after the end")
-            expect(any(chunks), f"no prompt was chunked, yet prompts of {max(lengths)} tokens exceed the budget "
-                                f"of {budget}")
-            if preempts:
-                expect(engine.scheduler.num_preemptions > 0,
-                       f"{blocks} blocks of 4 cannot hold every request at once, yet nothing was preempted")
+            expect(any(step.chunked for step in ref), f"no prompt was chunked under a budget of {budget}, so the case proved nothing")
+            expect(not preempts or reader.scheduler.num_preemptions > 0,
+                   f"{blocks} blocks of 4 cannot hold every request at once, yet nothing was preempted")
         return test
 
     return [
-        ("decodes and prefill chunks under a 16-token budget", case([40, 23, 57, 9], 10, 200, 16, 8, False)),
-        ("two seats for five requests", case([30, 12, 45, 8, 20], 8, 200, 24, 2, False)),
-        ("memory pressure: 40 blocks of 4 tokens, preemption", case([40, 23, 57, 9, 31, 48], 16, 40, 24, 4, True)),
+        ("memory pressure: 40 blocks of 4 tokens, preemption", case([40, 23, 57, 9, 31, 48], 12, 40, 24, 4, True)),
+        ("decodes and prefill chunks under a 16-token budget", case([40, 23, 57, 9], 6, 200, 16, 8, False)),
+        ("two seats for five requests", case([30, 12, 45, 8, 20], 6, 200, 24, 2, False)),
     ]

@@ -2,7 +2,7 @@
 
 import random
 
-from minivllm.exercises import exercise, expect
+from minivllm.exercises import case_random, exercise, expect, forbidden_calls
 
 
 @exercise("07.shared_blocks")
@@ -30,23 +30,54 @@ def _shared_blocks():
     ]
 
 
+def _chain_reference(token_ids, block_size, salt):
+    """The chain written out once more, apart from the package's: block k's hash covers its parent's hash,
+    its tokens, and (block 0 only) the salt; a partial last block has none."""
+    from minivllm.core.kv_cache_utils import SEED_HASH, hash_block
+
+    full = [token_ids[start:start + block_size] for start in range(0, len(token_ids), block_size)]
+    full = [block for block in full if len(block) == block_size]
+    chain = [SEED_HASH]
+    for k, block in enumerate(full):
+        chain.append(hash_block(chain[-1], block, () if k or salt is None else (salt,)))
+    return chain[1:]
+
+
+def _package_chains():
+    """The package's own chain functions, which the reader's chain may not call."""
+    from minivllm.core import kv_cache_manager, kv_cache_utils
+
+    found = [getattr(kv_cache_utils, name, None) for name in ("block_hashes", "extend_hash_chain")]
+    found += [getattr(cls, "block_hashes", None) for cls in vars(kv_cache_manager).values() if isinstance(cls, type)]
+    return [f for f in found if callable(f) and hasattr(f, "__code__")]
+
+
 @exercise("07.chain")
 def _chain():
-    from minivllm.core.kv_cache_utils import block_hashes
-
-    def case(length, size, salt):
+    def case(tokens, size, salt, what):
         def test(chain):
-            tokens = list(range(1000, 1000 + length))
-            got, want = list(chain(tokens, size, salt)), block_hashes(tokens, size, salt)
-            expect(len(got) == len(want), f"{length} tokens, block size {size}: {len(got)} hashes, expected {len(want)}")
-            expect(got == want, f"{length} tokens, block size {size}, salt {salt!r}: hashes differ from block_hashes")
+            with forbidden_calls(_package_chains(), "write the chain from hash_block yourself"):
+                got = list(chain(list(tokens), size, salt))
+            want = _chain_reference(tokens, size, salt)
+            expect(len(got) == len(want), f"{what}: {len(got)} hashes, expected {len(want)} (one per full block)")
+            wrong = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), None)
+            expect(wrong is None, f"{what}: block {wrong}'s hash differs (salt {salt!r})")
         return test
 
+    rng = case_random("07.chain")
+    drawn = [([rng.randrange(50_000) for _ in range(rng.randrange(0, 80))], rng.choice([1, 2, 4, 16]),
+              rng.choice([None, "tenant-a", ""])) for _ in range(6)]
+    ids = list(range(1000, 1064))
     return [
-        ("fewer tokens than a block", case(10, 16, None)),
-        ("three full blocks and a partial one", case(55, 16, None)),
-        ("block size 4", case(17, 4, None)),
-        ("a salt enters the first block", case(48, 16, "tenant-a")),
+        ("no tokens, no blocks", case([], 16, None, "empty")),
+        ("fewer tokens than a block", case(ids[:10], 16, None, "10 tokens, block size 16")),
+        ("exactly one block", case(ids[:16], 16, None, "16 tokens, block size 16")),
+        ("three full blocks and a partial one", case(ids[:55], 16, None, "55 tokens")),
+        ("block size 4: every hash depends on the blocks before it", case(ids[:17], 4, None, "17 tokens")),
+        ("a salt enters the first block", case(ids[:48], 16, "tenant-a", "48 tokens, salted")),
+        ("an empty salt is still a salt", case(ids[:8], 4, "", "8 tokens, salt ''")),
+        ("the same block twice hashes differently in place", case(ids[:4] * 3, 4, None, "a repeated block")),
+        *[(f"random case {i}", case(*args, f"random case {i}")) for i, args in enumerate(drawn)],
     ]
 
 

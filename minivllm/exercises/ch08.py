@@ -1,18 +1,78 @@
 """Chapter 8 exercises: the pieces of the kernels' algorithm in plain PyTorch, and one tile of the decode kernel
 itself, run in Triton's interpreter."""
 
+import contextlib
 import math
 from types import SimpleNamespace
 
 import torch
+from torch.overrides import TorchFunctionMode
 
-from minivllm.exercises import CheckFailed, close, exercise, expect
+from minivllm.exercises import CheckFailed, case_random, close, exercise, expect
 
 
 def _attention(q, k, v):
     """softmax(q . k / sqrt(d)) . v for one query vector q [d] over keys k, values v [n, d]."""
     weights = torch.softmax(k.double() @ q.double() / math.sqrt(q.shape[-1]), dim=0)
     return weights @ v.double()
+
+
+_METADATA = {torch.Tensor.__len__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel,
+             torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
+             torch.Tensor.ndim.__get__, torch.Tensor.is_floating_point}
+_SPLITS = {torch.Tensor.split, torch.split, torch.Tensor.unbind, torch.unbind}
+
+
+class TileView(torch.Tensor):
+    """Keys or values that may be read one tile at a time: k[i], k[a:b] with b - a <= tile, k.split(tile) and
+    their shapes. Any other use (k @ q, k.T, softmax over k, a longer slice) reads beyond a tile and fails."""
+
+    tile: int
+    what: str
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor, tile: int, what: str) -> "TileView":
+        view = tensor.as_subclass(cls)
+        view.tile, view.what = tile, what
+        return view
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        view = next(a for a in args if isinstance(a, TileView))
+        with torch._C.DisableTorchFunctionSubclass():
+            result = func(*args, **(kwargs or {}))
+        if func in _METADATA:
+            return result
+        if func is torch.Tensor.__getitem__:
+            first = args[1][0] if isinstance(args[1], tuple) and args[1] else args[1]
+            rows = 1 if isinstance(first, int) or (torch.is_tensor(first) and first.dim() == 0) else (
+                view.shape[0] if first is Ellipsis or first is None or result.dim() == 0 else result.shape[0])
+            pieces = [rows]
+        elif func in _SPLITS:
+            pieces = [piece.shape[0] if piece.dim() == view.dim() else 1 for piece in result]
+        else:
+            raise CheckFailed(f"{func.__name__ if hasattr(func, '__name__') else func} read all {view.shape[0]} "
+                              f"{view.what} at once: online softmax reads at most one tile ({view.tile}) at a time")
+        expect(max(pieces, default=0) <= view.tile, f"a read of {max(pieces)} {view.what} at once, more than one "
+                                                   f"tile of {view.tile}")
+        return result
+
+
+class _NoWholeRow(TorchFunctionMode):
+    """Fails any tensor the reader builds with a dimension of num_keys: all the scores (or keys) at once, e.g.
+    tiles read one by one and put back together."""
+
+    def __init__(self, num_keys: int):
+        super().__init__()
+        self.num_keys = num_keys
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        for out in result if isinstance(result, (tuple, list)) else [result]:
+            if torch.is_tensor(out) and self.num_keys in out.shape:
+                raise CheckFailed(f"{getattr(func, '__name__', func)} built a tensor of shape {tuple(out.shape)}: all "
+                                  f"{self.num_keys} keys at once, where online softmax keeps one tile of scores")
+        return result
 
 
 @exercise("08.online_softmax")
@@ -23,9 +83,14 @@ def _online_softmax():
             q = torch.randn(head_dim, generator=gen, dtype=torch.float64) * scale
             k = torch.randn(num_keys, head_dim, generator=gen, dtype=torch.float64) * scale
             v = torch.randn(num_keys, head_dim, generator=gen, dtype=torch.float64)
-            got = online_attention(q, k, v, tile)
+            views = TileView.of(k, tile, "keys"), TileView.of(v, tile, "values")
+            with _NoWholeRow(num_keys) if num_keys > tile else contextlib.nullcontext():
+                got = online_attention(q, *views, tile)
             close(got, _attention(q, k, v), f"{num_keys} keys in tiles of {tile}", atol=1e-9, rtol=1e-9)
         return test
+
+    rng = case_random("08.online_softmax")
+    num_keys, tile = rng.choice([n for n in range(17, 90) if n != 16]), rng.randrange(3, 16)
 
     return [
         ("keys a whole number of tiles", case(64, 16)),
@@ -33,6 +98,7 @@ def _online_softmax():
         ("fewer keys than one tile", case(5, 16)),
         ("one key", case(1, 8)),
         ("scores large enough to overflow exp() without the running max", case(50, 8, scale=40.0)),
+        (f"random: {num_keys} keys in tiles of {tile}", case(num_keys, tile, scale=4.0, seed=rng.randrange(1000))),
     ]
 
 

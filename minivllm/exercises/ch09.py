@@ -5,7 +5,7 @@ import random
 
 import torch
 
-from minivllm.exercises import exercise, expect
+from minivllm.exercises import case_random, exercise, expect, forbidden_calls
 
 
 def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -40,27 +40,51 @@ def _expected_tokens():
     ]
 
 
+def _ngram_reference(tokens, k, prompt_lookup_max, prompt_lookup_min):
+    """Prompt lookup written apart from the package's: the longest n first; for it, the last earlier place
+    (not the tail itself) its final n tokens appeared; what followed there, at most k tokens."""
+    for n in range(prompt_lookup_max, prompt_lookup_min - 1, -1):
+        if n >= len(tokens):
+            continue
+        tail = tuple(tokens[len(tokens) - n:])
+        places = [start for start in range(len(tokens) - n) if tuple(tokens[start:start + n]) == tail]
+        if places:
+            return list(tokens[places[-1] + n:places[-1] + n + k])
+    return []
+
+
 @exercise("09.ngram_lookup")
 def _ngram_lookup():
     from minivllm.spec_decode.ngram_proposer import NgramProposer
 
     def case(tokens, k, high, low, what):
         def test(ngram_lookup):
-            got = list(ngram_lookup(list(tokens), k, high, low))
-            want = NgramProposer(high, low).lookup(list(tokens), k)
+            package = [f for f in vars(NgramProposer).values() if callable(f) and hasattr(f, "__code__")]
+            with forbidden_calls(package, "look the n-grams up yourself"):
+                got = list(ngram_lookup(list(tokens), k, high, low))
+            want = _ngram_reference(tokens, k, high, low)
             expect(got == want, f"{what}: got {got}, expected {want}")
         return test
 
-    rng = random.Random(0)
-    randoms = [[rng.randrange(4) for _ in range(rng.randrange(2, 40))] for _ in range(40)]
+    def many(cases):
+        return lambda fn: [case(*args, f"random {args[0]}, k={args[1]}, n {args[3]}..{args[2]}")(fn) for args in cases]
+
+    rng = case_random("09.ngram_lookup")
+    randoms = []
+    for _ in range(40):
+        low = rng.randrange(1, 4)
+        randoms.append(([rng.randrange(4) for _ in range(rng.randrange(2, 40))], rng.randrange(1, 6),
+                        low + rng.randrange(0, 3), low))
     return [
         ("the 2-gram [2, 3] was followed by 4, 9", case([1, 2, 3, 4, 9, 2, 3], 2, 3, 1, "[1, 2, 3, 4, 9, 2, 3]")),
         ("the latest earlier match wins", case([1, 2, 3, 1, 2, 7, 1, 2], 3, 3, 1, "[1, 2, 3, 1, 2, 7, 1, 2]")),
         ("longer n-grams are tried first", case([5, 1, 2, 8, 3, 1, 2, 9, 5, 1, 2], 1, 3, 1, "3-gram [5, 1, 2]")),
         ("nothing repeats: no guess", case([5, 6, 7, 8], 2, 3, 1, "[5, 6, 7, 8]")),
         ("the continuation is cut at the end of the text", case([4, 4], 3, 3, 1, "[4, 4]")),
+        ("an overlapping match", case([7, 7, 7], 2, 2, 2, "[7, 7, 7]")),
         ("no n-grams shorter than the minimum", case([1, 2, 1, 2], 4, 3, 3, "min 3")),
-        ("40 random sequences over 4 tokens", lambda fn: [case(t, 3, 3, 1, f"random {t}")(fn) for t in randoms]),
+        ("at most k guesses", case([1, 2, 3, 4, 5, 6, 1, 2], 2, 2, 2, "k = 2")),
+        ("40 random sequences over 4 tokens", many(randoms)),
     ]
 
 

@@ -3,7 +3,7 @@
 import json
 import random
 
-from minivllm.exercises import exercise, expect
+from minivllm.exercises import case_random, exercise, expect, forbidden_calls
 
 
 def _response(events: list[dict], done: bool = True) -> str:
@@ -31,24 +31,47 @@ def _parse_sse():
     ]
 
 
+def _sendable_reference(text, finished, stop):
+    """Written apart from the server's: a finished output goes out whole; otherwise trailing replacement
+    characters (a character still missing bytes) wait, and so do the last len(longest stop) - 1 characters."""
+    if finished:
+        return text
+    end = len(text)
+    while end and text[end - 1] == "\ufffd":
+        end -= 1
+    hold = max([len(s) - 1 for s in stop], default=0)
+    return text[:max(end - hold, 0)]
+
+
 @exercise("10.sendable_text")
 def _sendable_text():
-    from minivllm.entrypoints.openai_server import sendable_text
+    from minivllm.entrypoints import openai_server
 
     def case(text, finished, stop):
         def test(candidate):
-            got, want = candidate(text, finished, list(stop)), sendable_text(text, finished, list(stop))
+            with forbidden_calls([openai_server.sendable_text], "write the hold-back rule yourself"):
+                got = candidate(text, finished, list(stop))
+            want = _sendable_reference(text, finished, list(stop))
             expect(got == want, f"({text!r}, finished={finished}, stop={stop}): got {got!r}, expected {want!r}")
         return test
 
+    rng = case_random("10.sendable_text")
+    pieces = ["To be", ", or ", "not", " \ufffd", "\ufffd", "lord", " é", "\n"]
+    drawn = [("".join(rng.choice(pieces) for _ in range(rng.randrange(0, 6))), rng.random() < 0.25,
+              rng.sample(["lord", "\n\n", "END OF TEXT", "x"], rng.randrange(0, 3))) for _ in range(12)]
     return [
         ("plain text goes out whole", case("To be, or not", False, [])),
         ("a trailing partial character waits", case("morrow \ufffd", False, [])),
+        ("two partial characters wait", case("morrow \ufffd\ufffd", False, [])),
         ("... unless the output is finished", case("morrow \ufffd", True, [])),
+        ("a partial character inside the text goes out", case("a\ufffdb", False, [])),
         ("the possible start of a stop string waits", case("my good lo", False, ["lord"])),
         ("the longest stop string decides", case("abcdefgh", False, ["xy", "long stop"])),
+        ("a one-character stop string holds nothing back", case("abc", False, ["c"])),
         ("text shorter than the hold-back", case("ab", False, ["a long stop"])),
         ("finished text goes out whole", case("my good lo", True, ["lord"])),
+        ("characters, not bytes: an accented stop string", case("the café", False, ["éé"])),
+        *[(f"random case {i}", case(*args)) for i, args in enumerate(drawn)],
     ]
 
 

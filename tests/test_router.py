@@ -193,7 +193,7 @@ def test_bad_command_lines_are_refused():
 def test_no_replica_reachable_is_a_clean_503():
     from fastapi.testclient import TestClient
 
-    from minivllm.entrypoints.openai.dp_server import build_router_app
+    from minivllm.entrypoints.openai.front import build_router_app
 
     with socket.socket() as probe:  # a port that was free a moment ago: nobody listens there
         probe.bind(("127.0.0.1", 0))
@@ -240,8 +240,9 @@ def test_a_conversation_returns_to_its_replica(cluster):
         conversation = [{"role": "system", "content": system}, {"role": "user", "content": "Who speaks first?"}]
         replica, body = chat(cluster, conversation)
         tenants[tenant] = replica
-        seen_by_router, _ = cluster.front.prompt_tokens(json.dumps({"messages": conversation}).encode(), chat=True)
-        assert len(seen_by_router) == body["usage"]["prompt_tokens"]  # it hashes the tokens the replica computes
+        seen_by_router = cluster.front.prompt_blocks(json.dumps({"messages": conversation}).encode(), True,
+                                                     cluster.front.router)
+        assert len(seen_by_router) == body["usage"]["prompt_tokens"] // 16  # the tokens the replica computes
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         for turn in range(2):
             conversation += [{"role": "assistant", "content": body["choices"][0]["message"]["content"]},
@@ -270,6 +271,20 @@ def test_cached_tokens_pass_through_streamed_and_not(cluster):
                        json={"prompt": prompt, "max_tokens": 5, "temperature": 0}).json()
     assert again["choices"][0]["text"] == plain["choices"][0]["text"]
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 16 * ((plain["usage"]["prompt_tokens"] - 1) // 16)
+
+
+def test_a_refused_request_leaves_nothing_in_the_index(cluster):
+    """Issue 29 item 3 through the front end: a prompt the replica refuses (longer than max_model_len) was
+    hashed off the event loop, and its blocks, pending on the replica, go with the refusal."""
+    before = [metric(cluster, "minivllm_router:index_blocks", r) for r in range(2)]
+    for i in range(3):
+        answer = httpx.post(cluster.url + "/v1/completions", timeout=TIMEOUT,
+                            json={"prompt": [7 + i] * 4000, "max_tokens": 2})
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "prompt"
+    assert [metric(cluster, "minivllm_router:index_blocks", r) for r in range(2)] == before
+    assert [metric(cluster, "minivllm_router:index_pending_blocks", r) for r in range(2)] == [0, 0]
+    assert httpx.post(cluster.url + "/reset_prefix_cache", timeout=TIMEOUT).status_code == 404  # not dev mode
+    assert httpx.post(cluster.replicas.urls[0] + "/reset_prefix_cache", timeout=TIMEOUT).status_code == 404
 
 
 def test_errors_pass_through(cluster):
@@ -337,7 +352,7 @@ def test_the_api_key_guards_the_front_end_and_reaches_the_replicas():
 
 
 def test_replicas_exit_when_their_front_end_is_killed():
-    code = ("from minivllm.entrypoints.openai.dp_server import Replicas\n"
+    code = ("from minivllm.entrypoints.openai.supervisor import Replicas\n"
             "r = Replicas(1, {'num_kv_blocks': 16}, threads=1)\n"
             "print(r.processes[0].pid, flush=True)\n"
             "import time; time.sleep(600)\n")

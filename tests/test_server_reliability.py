@@ -111,3 +111,67 @@ def test_a_streaming_client_that_never_reads_holds_one_output_and_is_released_on
     assert growth < 64 * 2**20, f"RSS grew by {growth / 2**20:.1f} MiB with a client that never reads"
     sock.close()  # the hang-up
     wait_idle(server, llm)
+
+
+def post(server, payload):
+    answer = httpx.post(server.url + "/v1/completions", json=payload, timeout=TIMEOUT)
+    return answer.status_code, answer.json()
+
+
+def test_one_request_cannot_ask_for_more_than_the_server_wide_token_cap(llm, server):
+    """Issue 29 item 5's reproducer: n = 512 x max_tokens = 400 is refused before any work, naming the fields;
+    so is max_tokens alone past the cap, and a chat request whose max_tokens defaults to the rest of the context
+    is counted that way."""
+    cap = server.app.state.serving.limits.max_tokens_per_request
+    status, body = post(server, {"prompt": "ROMEO:", "n": 512, "max_tokens": 400})
+    assert status == 400 and body["error"]["param"] == "n"
+    assert "n x max_tokens = 512 x 400" in body["error"]["message"] and str(cap) in body["error"]["message"]
+    status, body = post(server, {"prompt": "ROMEO:", "max_tokens": cap + 1})
+    assert status == 400 and body["error"]["param"] == "max_tokens"
+    answer = httpx.post(server.url + "/v1/chat/completions", timeout=TIMEOUT,
+                        json={"messages": [{"role": "user", "content": "Hi"}], "n": cap // 100})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "n"
+    wait_idle(server, llm)
+
+
+def test_seeds_at_the_top_of_their_range_and_the_penalty_fields(llm, server):
+    """Issue 29 item 6: seed = 2**63 - 1 with n > 1 is served (every sample seeded in range); 2**63 is a 400
+    naming `seed`; clients that send presence_penalty / frequency_penalty = 0 by default are served, and
+    non-default penalties and min_tokens give LLM.generate's tokens."""
+    status, body = post(server, {"prompt": "ROMEO:", "n": 3, "seed": 2**63 - 1, "temperature": 1, "max_tokens": 4})
+    assert status == 200 and len(body["choices"]) == 3
+    status, body = post(server, {"prompt": "ROMEO:", "n": 3, "seed": 2**63, "temperature": 1, "max_tokens": 4})
+    assert status == 400 and body["error"]["param"] == "seed"
+    defaults = {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1, "min_tokens": 0}
+    assert post(server, {"prompt": "ROMEO:", "max_tokens": 4, **defaults})[0] == 200
+    fields = {"presence_penalty": 0.8, "frequency_penalty": 0.5, "repetition_penalty": 1.3, "min_tokens": 12}
+    status, body = post(server, {"prompt": "ROMEO:", "max_tokens": 12, "temperature": 0, **fields})
+    expected = llm.generate(["ROMEO:"], SamplingParams(max_tokens=12, temperature=0, **fields), use_tqdm=False)
+    assert status == 200 and body["choices"][0]["text"] == expected[0].outputs[0].text
+    assert body["usage"]["completion_tokens"] == 12
+    status, body = post(server, {"prompt": "ROMEO:", "max_tokens": 4, "presence_penalty": 3})
+    assert status == 400 and body["error"]["param"] == "presence_penalty"
+    wait_idle(server, llm)
+
+
+def test_the_prefix_cache_reset_runs_in_the_engine_loops_turn(llm):
+    """Issue 27 item 6: the reset is a turn's work, not the event loop's; refused while a request runs."""
+    async def scenario():
+        engine = AsyncLLM(llm)
+        prompt = llm.tokenizer(CORPUS[:200]).input_ids
+        async for _ in engine.generate(prompt, SamplingParams(temperature=0, max_tokens=2)):
+            pass
+        cached_before = len(llm.engine.kv_manager.pool.cached)
+        outputs = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        await anext(outputs)
+        while_running = await engine.reset_prefix_cache()
+        await outputs.aclose()
+        while engine.snapshot["unfinished"] or engine._aborts:
+            await asyncio.sleep(0.01)
+        when_idle = await engine.reset_prefix_cache()
+        await engine.shutdown()
+        return cached_before, while_running, when_idle
+
+    cached_before, while_running, when_idle = asyncio.run(scenario())
+    assert cached_before > 0 and while_running is False and when_idle is True
+    assert not llm.engine.kv_manager.pool.cached

@@ -39,6 +39,7 @@ class AsyncLLM:
         self.llm, self.engine, self.tokenizer = llm, llm.engine, llm.tokenizer
         self._inbox: list[tuple] = []  # requests for the engine's next turn
         self._aborts: list[str] = []
+        self._resets: list[asyncio.Future] = []  # callers of reset_prefix_cache, answered by the next turn
         self._streams: dict[str, RequestOutputCollector] = {}
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
@@ -75,10 +76,14 @@ class AsyncLLM:
         while not self._closing:
             await self._wake.wait()
             self._wake.clear()
-            while (self._inbox or self._aborts or self.snapshot["unfinished"]) and not self._closing:
-                adds, aborts = self._inbox, self._aborts
-                self._inbox, self._aborts = [], []
-                outputs, failed, self.snapshot = await asyncio.to_thread(self._turn, adds, aborts)
+            while (self._inbox or self._aborts or self._resets or self.snapshot["unfinished"]) \
+                    and not self._closing:
+                adds, aborts, resets = self._inbox, self._aborts, self._resets
+                self._inbox, self._aborts, self._resets = [], [], []
+                outputs, failed, self.snapshot, reset = await asyncio.to_thread(self._turn, adds, aborts,
+                                                                                bool(resets))
+                for caller in resets:
+                    caller.set_result(reset)
                 for request_id, error in failed.items():
                     self._deliver(request_id, error)
                 for output in outputs:
@@ -93,7 +98,7 @@ class AsyncLLM:
         if isinstance(item, Exception) or item.finished:
             self._streams.pop(request_id, None)
 
-    def _turn(self, adds: list[tuple], aborts: list[str]):
+    def _turn(self, adds: list[tuple], aborts: list[str], reset: bool = False):
         engine, failed, outputs = self.engine, {}, []
         for request_id, prompt_token_ids, params, prompt, cache_salt in adds:
             try:
@@ -102,6 +107,10 @@ class AsyncLLM:
                 failed[request_id] = error
         for request_id in aborts:
             engine.abort_request(request_id)
+        if reset:  # the cache can be emptied only while no request holds a block
+            reset = not engine.has_unfinished_requests()
+            if reset:
+                engine.kv_manager.reset_prefix_cache()
         try:
             outputs = engine.step() if engine.has_unfinished_requests() else []
         except EngineStepError as error:  # the engine aborted the step's requests; the others go on
@@ -112,7 +121,7 @@ class AsyncLLM:
                 failed[request_id] = RuntimeError(f"the engine failed: {error!r}")
         for request_id in [o.request_id for o in outputs if o.finished] + aborts + list(failed):
             self._forget(request_id)
-        return outputs, failed, self._snapshot()
+        return outputs, failed, self._snapshot(), reset
 
     def _forget(self, request_id: str) -> None:
         if request_id in self.engine.output_processor.parents:
@@ -132,8 +141,22 @@ class AsyncLLM:
         if self._loop_task is not None:
             await self._loop_task
         self._inbox.clear()
-        _, _, self.snapshot = await asyncio.to_thread(self._turn, [], list(self.engine.output_processor.parents))
+        _, _, self.snapshot, _ = await asyncio.to_thread(self._turn, [], list(self.engine.output_processor.parents))
         for request_id in list(self._streams):
             self._deliver(request_id, RuntimeError("the server is shutting down"))
         self._aborts.clear()
+        for caller in self._resets:
+            caller.set_result(False)
+        self._resets.clear()
         self._closing, self._loop_task = False, None
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached block at the next turn; False (and nothing forgotten) while requests run."""
+        if self._closing:
+            return False
+        answer = asyncio.get_running_loop().create_future()
+        self._resets.append(answer)
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.create_task(self._run_engine())
+        self._wake.set()
+        return await answer

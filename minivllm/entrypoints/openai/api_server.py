@@ -14,7 +14,8 @@ Endpoints:
 
 GET routes answer HEAD too; OPTIONS answers with the allowed methods (and CORS preflights, as vLLM's).
 Supported request fields: `n`, `temperature`, `top_p`, `top_k`, `min_p`, `seed`, `max_tokens`
-(`max_completion_tokens` in chat), `stop`, `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output`,
+(`max_completion_tokens` in chat), `presence_penalty`, `frequency_penalty`, `repetition_penalty`, `min_tokens`,
+`stop`, `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output`,
 `skip_special_tokens`, `logprobs` (completions: 0 to 20 alternatives; chat: true, with `top_logprobs` 0 to
 20), `cache_salt`, `stream`, `stream_options.include_usage`, `user` (ignored). Any other field is a 400
 naming it. `usage.prompt_tokens_details.cached_tokens` reports the prompt tokens served from the prefix cache.
@@ -39,6 +40,7 @@ oracle for other tenants' prompts (chapter 10). vLLM protects only `/v1/*`.
 | connections + requests in progress | 1,000 (uvicorn's `limit_concurrency`) | 503 |
 | prompt | shorter than the engine's `max_model_len` tokens; token ids in the vocabulary | 400 |
 | `n`, `stop` (number and length), `stop_token_ids`, `max_tokens`, `seed`, `top_k`, ... | `SamplingParams`' own bounds (minivllm/sampling_checks.py) | 400 |
+| `n` x `max_tokens` (`max_tokens` unset: the rest of the context) | 32,768 tokens per request (`max_tokens_per_request`) | 400 naming `n` (or `max_tokens` when n = 1) |
 | `logprobs`, `top_logprobs` | 0 to 20 | 400 |
 | `cache_salt` | 1 to 1,024 characters | 400 |
 | JSON | pydantic's parser: nesting of 200 levels at most, integers of 4,300 digits at most, valid UTF-8 and no lone surrogates | 400 |
@@ -51,22 +53,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
-from starlette.routing import Match
 
 from minivllm.engine.async_llm import AsyncLLM
+from minivllm.entrypoints.openai.guards import GuardMiddleware, Limits, error_response, read_body, until_disconnect
 from minivllm.entrypoints.openai.metrics import ServerMetrics
 from minivllm.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                                   DetokenizeRequest, TokenizeRequest, error_body,
@@ -74,113 +73,23 @@ from minivllm.entrypoints.openai.protocol import (APIError, ChatCompletionReques
 from minivllm.entrypoints.openai_server import stream_deltas
 
 
-@dataclass(frozen=True)
-class Limits:
-    """The server's bounds (the table in the module docstring)."""
-
-    max_body_bytes: int = 1 << 20
-    body_timeout: float = 30.0
-    max_head_bytes: int = 64 << 10
-    max_headers: int = 100
-    header_timeout: float = 10.0
-    keep_alive_timeout: int = 5
-    limit_concurrency: int = 1000
-
-
-def error_response(status: int, message: str, param: str | None = None, headers=None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
-
-
-class GuardMiddleware:
-    """Plain ASGI, outermost: the header count, the API key, and OPTIONS for routes that have no handler
-    for it. Runs before any body is read."""
-
-    OPEN_PATHS = ("/health",)
-
-    def __init__(self, app, router, limits: Limits, api_key: str | None):
-        self.app, self.router, self.limits, self.api_key = app, router, limits, api_key
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = scope["headers"]
-        if len(headers) > self.limits.max_headers:
-            response = error_response(431, f"{len(headers)} headers: the limit is {self.limits.max_headers}")
-            return await response(scope, receive, send)
-        preflight = scope["method"] == "OPTIONS" and any(name == b"access-control-request-method"
-                                                         for name, _ in headers)
-        if self.api_key is not None and not preflight and scope["path"] not in self.OPEN_PATHS:
-            given = dict(headers).get(b"authorization", b"")
-            if not secrets.compare_digest(given, b"Bearer " + self.api_key.encode()):
-                response = error_response(401, "missing or wrong API key: send Authorization: Bearer <key>",
-                                          headers={"WWW-Authenticate": "Bearer"})
-                return await response(scope, receive, send)
-        if scope["method"] == "OPTIONS" and not preflight:
-            return await self.options(scope, receive, send)
-        return await self.app(scope, receive, send)
-
-    async def options(self, scope, receive, send):
-        methods = set()
-        for route in self.router.routes:
-            match, _ = route.matches({**scope, "method": "GET"})
-            if match != Match.NONE:
-                methods |= getattr(route, "methods", None) or set()
-        if not methods:
-            response = error_response(404, f"no route {scope['path']}")
-        else:
-            response = Response(status_code=204, headers={"Allow": ", ".join(sorted(methods | {"OPTIONS"}))})
-        await response(scope, receive, send)
-
-
-async def read_body(raw: Request, limits: Limits) -> bytes:
-    """The whole body, at most `max_body_bytes` (with or without Content-Length), within `body_timeout`."""
-    declared = raw.headers.get("content-length")
-    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limits.max_body_bytes:
-        raise APIError(413, f"a body of {declared} bytes: the limit is {limits.max_body_bytes}")
-    chunks, size = [], 0
-    try:
-        async with asyncio.timeout(limits.body_timeout):
-            async for chunk in raw.stream():
-                size += len(chunk)
-                if size > limits.max_body_bytes:
-                    raise APIError(413, f"a body of more than {limits.max_body_bytes} bytes: that is the limit")
-                chunks.append(chunk)
-    except TimeoutError:
-        raise APIError(408, f"the body did not arrive within {limits.body_timeout:g} s") from None
-    except ClientDisconnect:
-        raise APIError(400, "the client closed the connection before the end of its body") from None
-    return b"".join(chunks)
-
-
-async def wait_for_disconnect(raw: Request) -> None:
-    """Returns when the client closes the connection (call it once the body has been read)."""
-    while (await raw.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def until_disconnect(raw: Request, work):
-    """Run a handler, cancelled if the client hangs up first, as vLLM's `with_cancellation`. Cancelling it
-    closes the request's output generator, whose `finally` aborts the request in the engine."""
-    handler = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(wait_for_disconnect(raw))
-    try:
-        await asyncio.wait([handler, watcher], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not handler.done():
-            handler.cancel()
-        await asyncio.gather(handler, watcher, return_exceptions=True)
-    if handler.cancelled():
-        return Response(status_code=499)  # nobody reads it: the client has gone
-    return handler.result()
-
-
 def engine_param(message: str, chat: bool) -> str:
-    """The request field an engine refusal is about."""
-    for name in ("cache_salt", "logprobs", "stop"):
-        if message.startswith((name, f"SamplingParams.{name}")):
+    """The request field an engine refusal is about: a sampling field it names, else the prompt."""
+    for name in ("cache_salt", "logprobs", "stop", "seed", "n", "max_tokens", "min_tokens"):
+        if message.startswith(tuple(f"{prefix}{name}{end}" for prefix in ("", "SamplingParams.")
+                                    for end in (" ", "=", ":"))):
             return name
     return "messages" if chat else "prompt"
+
+
+def check_request_tokens(params, prompt_len: int, max_model_len: int, limits: Limits) -> None:
+    """A server-wide cap on what one request may generate: n x max_tokens (max_tokens None: the rest of the
+    context), so that no single request holds the engine for everyone else (issue 29's n = 512 x 400)."""
+    tokens = params.max_tokens if params.max_tokens is not None else max(1, max_model_len - prompt_len)
+    if params.n * tokens > limits.max_tokens_per_request:
+        raise APIError(400, f"n x max_tokens = {params.n} x {tokens} = {params.n * tokens} tokens: this server "
+                            f"generates at most {limits.max_tokens_per_request} per request", "n" if params.n > 1
+                       else "max_tokens")
 
 
 class OpenAIServing:
@@ -235,6 +144,7 @@ class OpenAIServing:
 
     async def generate(self, request, token_ids: list[int], prompt: str | None, chat: bool):
         params = to_sampling_params(request)
+        check_request_tokens(params, len(token_ids), self.max_model_len, self.limits)
         arrival = time.perf_counter()
         outputs = self.engine.generate(token_ids, params, prompt, request.cache_salt)
         try:

@@ -102,6 +102,46 @@ def run_server(llm, host: str = "127.0.0.1", port: int = 8000, model_name: str =
         sock.close()
 
 
+class ThreadedUvicorn:
+    """uvicorn serving `app` on its own event loop in a daemon thread (the one place this is done: chapter
+    10's `BackgroundServer` and chapter 12's `DataParallelServer` both use it). `loop` is that event loop."""
+
+    def __init__(self, app, limits: Limits, host: str = "127.0.0.1", port: int = 0, name: str = "minivllm-server"):
+        self._socket = bind(host, port)
+        self.host, self.port = host, self._socket.getsockname()[1]
+        self._server = uvicorn.Server(uvicorn_config(app, limits, log_level="error", log_config=None))
+        self._server.config.timeout_graceful_shutdown = 1
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True, name=name)
+
+    def _run(self) -> None:
+        async def serve():
+            self.loop = asyncio.get_running_loop()
+            await self._server.serve(sockets=[self._socket])
+
+        asyncio.run(serve())
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def running(self) -> bool:
+        return self.loop is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        self._thread.start()
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError(f"{self._thread.name} did not start (see the error above)")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(timeout=60)
+        self._socket.close()
+
+
 class BackgroundServer:
     """The server on its own event loop in a daemon thread, for notebooks, tests and the benchmark:
 
@@ -113,38 +153,22 @@ class BackgroundServer:
                  api_key: str | None = None, limits: Limits = Limits()):
         self.app = build_app(llm, model_name, api_key, limits)
         self.engine = self.app.state.serving.engine  # its AsyncLLM
-        self._socket = bind(host, port)
-        self.host, self.port = host, self._socket.getsockname()[1]
-        self._server = uvicorn.Server(uvicorn_config(self.app, limits, log_level="error", log_config=None))
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread = threading.Thread(target=self._run, daemon=True, name="minivllm-server")
-
-    def _run(self) -> None:
-        async def serve():
-            self._loop = asyncio.get_running_loop()
-            await self._server.serve(sockets=[self._socket])
-
-        asyncio.run(serve())
+        self._uvicorn = ThreadedUvicorn(self.app, limits, host, port)
+        self.host, self.port = self._uvicorn.host, self._uvicorn.port
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return self._uvicorn.url
 
     def start(self) -> "BackgroundServer":
-        self._thread.start()
-        while not self._server.started:
-            if not self._thread.is_alive():
-                raise RuntimeError("the server did not start (see the error above)")
-            time.sleep(0.01)
+        self._uvicorn.start()
         return self
 
     def stop(self) -> None:
         """Abort what runs (its streams end with an error event), then stop serving."""
-        if self._loop is not None and self._thread.is_alive():
-            asyncio.run_coroutine_threadsafe(self.engine.shutdown(), self._loop).result(timeout=60)
-        self._server.should_exit = True
-        self._thread.join(timeout=60)
-        self._socket.close()
+        if self._uvicorn.running():
+            asyncio.run_coroutine_threadsafe(self.engine.shutdown(), self._uvicorn.loop).result(timeout=60)
+        self._uvicorn.stop()
 
     def __enter__(self) -> "BackgroundServer":
         return self.start()

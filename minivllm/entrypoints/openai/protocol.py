@@ -21,7 +21,8 @@ MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default --max-logprobs
 MAX_CACHE_SALT_CHARS = 1024
 
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop", "stop_token_ids",
-                   "ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+                   "ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "min_tokens")
 
 
 class APIError(Exception):
@@ -61,6 +62,10 @@ class SamplingFields(OpenAIModel):
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None

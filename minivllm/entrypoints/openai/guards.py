@@ -1,0 +1,120 @@
+"""The HTTP server's bounds and connection handling (chapter 10's plumbing, not taught), shared by the one-replica
+server (minivllm/entrypoints/openai/api_server.py) and the data-parallel front end
+(minivllm/entrypoints/openai/front.py): `Limits` (the table in api_server's docstring), the outermost guard
+(header count, API key, OPTIONS), reading a body within its bounds, and cancelling a handler whose client hung up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
+from starlette.routing import Match
+
+from minivllm.entrypoints.openai.protocol import APIError, error_body
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The server's bounds (the table in the module docstring)."""
+
+    max_body_bytes: int = 1 << 20
+    body_timeout: float = 30.0
+    max_head_bytes: int = 64 << 10
+    max_headers: int = 100
+    header_timeout: float = 10.0
+    keep_alive_timeout: int = 5
+    limit_concurrency: int = 1000
+    max_tokens_per_request: int = 32768  # n x max_tokens, over all of a request's choices
+
+
+def error_response(status: int, message: str, param: str | None = None, headers=None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+class GuardMiddleware:
+    """Plain ASGI, outermost: the header count, the API key, and OPTIONS for routes that have no handler
+    for it. Runs before any body is read."""
+
+    OPEN_PATHS = ("/health",)
+
+    def __init__(self, app, router, limits: Limits, api_key: str | None):
+        self.app, self.router, self.limits, self.api_key = app, router, limits, api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = scope["headers"]
+        if len(headers) > self.limits.max_headers:
+            response = error_response(431, f"{len(headers)} headers: the limit is {self.limits.max_headers}")
+            return await response(scope, receive, send)
+        preflight = scope["method"] == "OPTIONS" and any(name == b"access-control-request-method"
+                                                         for name, _ in headers)
+        if self.api_key is not None and not preflight and scope["path"] not in self.OPEN_PATHS:
+            given = dict(headers).get(b"authorization", b"")
+            if not secrets.compare_digest(given, b"Bearer " + self.api_key.encode()):
+                response = error_response(401, "missing or wrong API key: send Authorization: Bearer <key>",
+                                          headers={"WWW-Authenticate": "Bearer"})
+                return await response(scope, receive, send)
+        if scope["method"] == "OPTIONS" and not preflight:
+            return await self.options(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+    async def options(self, scope, receive, send):
+        methods = set()
+        for route in self.router.routes:
+            match, _ = route.matches({**scope, "method": "GET"})
+            if match != Match.NONE:
+                methods |= getattr(route, "methods", None) or set()
+        if not methods:
+            response = error_response(404, f"no route {scope['path']}")
+        else:
+            response = Response(status_code=204, headers={"Allow": ", ".join(sorted(methods | {"OPTIONS"}))})
+        await response(scope, receive, send)
+
+
+async def read_body(raw: Request, limits: Limits) -> bytes:
+    """The whole body, at most `max_body_bytes` (with or without Content-Length), within `body_timeout`."""
+    declared = raw.headers.get("content-length")
+    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limits.max_body_bytes:
+        raise APIError(413, f"a body of {declared} bytes: the limit is {limits.max_body_bytes}")
+    chunks, size = [], 0
+    try:
+        async with asyncio.timeout(limits.body_timeout):
+            async for chunk in raw.stream():
+                size += len(chunk)
+                if size > limits.max_body_bytes:
+                    raise APIError(413, f"a body of more than {limits.max_body_bytes} bytes: that is the limit")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(408, f"the body did not arrive within {limits.body_timeout:g} s") from None
+    except ClientDisconnect:
+        raise APIError(400, "the client closed the connection before the end of its body") from None
+    return b"".join(chunks)
+
+
+async def wait_for_disconnect(raw: Request) -> None:
+    """Returns when the client closes the connection (call it once the body has been read)."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(raw: Request, work):
+    """Run a handler, cancelled if the client hangs up first, as vLLM's `with_cancellation`. Cancelling it
+    closes the request's output generator, whose `finally` aborts the request in the engine."""
+    handler = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_for_disconnect(raw))
+    try:
+        await asyncio.wait([handler, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not handler.done():
+            handler.cancel()
+        await asyncio.gather(handler, watcher, return_exceptions=True)
+    if handler.cancelled():
+        return Response(status_code=499)  # nobody reads it: the client has gone
+    return handler.result()

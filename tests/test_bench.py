@@ -37,3 +37,15 @@ def test_serve(tmp_path):
                  "--output-len", "4", "--request-rates", "inf")
     summary = result["by_request_rate"]["inf"]
     assert summary["output_tokens_per_s"] > 0 and summary["ttft_p50_ms"] <= summary["ttft_p99_ms"]
+
+
+def test_overhead_measures_decode_steps_apart_from_the_model(tmp_path):
+    import torch
+
+    from minivllm.tools.bench_overhead import DECODE_STEPS, OVERHEAD_SHAPE, measure
+    from minivllm.tools.gpu_model_check import save_random_checkpoint
+
+    save_random_checkpoint(tmp_path, {**OVERHEAD_SHAPE, "num_hidden_layers": 1}, torch.float32)
+    row = measure(str(tmp_path), context=20, batch=3)
+    assert (row["context"], row["batch"], row["decode_steps"]) == (20, 3, DECODE_STEPS - 2)
+    assert row["engine_ms_per_step"] > 0 and row["model_ms_per_step"] > 0

@@ -160,3 +160,55 @@ def test_no_orphans_when_the_driver_raises():
     assert done.returncode == 1 and "the driver fails" in done.stderr
     pids = [int(p) for p in done.stdout.split()]
     assert pids and gone(pids, within_s=5)
+
+
+def test_the_start_method_follows_vllm(monkeypatch):
+    from minivllm.distributed.executor import worker_start_method
+
+    for name in ("VLLM_WORKER_MULTIPROC_METHOD", "MINIVLLM_WORKER_MULTIPROC_METHOD"):
+        monkeypatch.delenv(name, raising=False)
+    assert worker_start_method() == ("fork", "the default on Linux")
+    monkeypatch.setenv("MINIVLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    assert worker_start_method() == ("spawn", "MINIVLLM_WORKER_MULTIPROC_METHOD=spawn")
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    with pytest.raises(ValueError, match="VLLM_WORKER_MULTIPROC_METHOD=fork and MINIVLLM_WORKER_MULTIPROC_METHOD="
+                                         "spawn disagree"):
+        worker_start_method()
+    monkeypatch.delenv("MINIVLLM_WORKER_MULTIPROC_METHOD")
+    assert worker_start_method() == ("fork", "VLLM_WORKER_MULTIPROC_METHOD=fork")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # fork gives way, with a warning
+    with pytest.warns(UserWarning, match=r'spawn, not fork: CUDA is initialised(.|\n)*if __name__ == "__main__"'):
+        assert worker_start_method() == ("spawn", "CUDA is initialised in this process")
+
+
+def test_a_bad_start_method_is_refused_before_any_process_starts(monkeypatch):
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "forkserver")
+    started = []
+    monkeypatch.setattr("multiprocessing.process.BaseProcess.start", lambda self: started.append(self))
+    with pytest.raises(ValueError, match="VLLM_WORKER_MULTIPROC_METHOD='forkserver': .* 'fork' or 'spawn'"):
+        LLM(device="cpu", num_kv_blocks=16, tensor_parallel_size=2)
+    assert not started
+
+
+def test_a_worker_that_fails_to_load_is_named_with_its_traceback(monkeypatch):
+    """A forked worker inherits this monkeypatch: its checkpoint load raises, and the driver says so."""
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    monkeypatch.delenv("MINIVLLM_WORKER_MULTIPROC_METHOD", raising=False)
+
+    def no_shard(*args, **kwargs):
+        raise FileNotFoundError("model-00002-of-00002.safetensors is missing")
+    monkeypatch.setattr("minivllm.distributed.executor.load_model", no_shard)
+    with pytest.raises(RuntimeError, match=r"rank 1 failed to start:(.|\n)*FileNotFoundError: model-00002"):
+        LLM(device="cpu", num_kv_blocks=16, tensor_parallel_size=2)
+
+
+def test_a_worker_that_dies_without_a_traceback_is_explained_by_its_last_stderr_lines(monkeypatch):
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    monkeypatch.delenv("MINIVLLM_WORKER_MULTIPROC_METHOD", raising=False)
+
+    def vanish(*args, **kwargs):
+        os.write(2, b"out of shared memory, giving up\n")
+        os._exit(3)
+    monkeypatch.setattr("minivllm.distributed.executor.load_model", vanish)
+    with pytest.raises(RuntimeError, match=r"rank 1 died \(exit code 3\):\nout of shared memory, giving up"):
+        LLM(device="cpu", num_kv_blocks=16, tensor_parallel_size=2)

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from minivllm.config import EngineConfig
 from minivllm.distributed.checks import check_tensor_parallel_size
-from minivllm.distributed.executor import TensorParallelWorkers, batch_message, stop_workers
+from minivllm.distributed.executor import TensorParallelWorkers, batch_message
 from minivllm.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 from minivllm.distributed.shard import shard_model
 from minivllm.engine.checks import check_engine_config
@@ -47,7 +47,7 @@ class TensorParallelModelRunner(ModelRunner):
 
 class TensorParallelEngine(LLMEngine):
     """LLMEngine over tensor_parallel_size processes: this one is rank 0 (scheduler, sampler, its shard), the
-    others are spawned workers that load the same checkpoint and keep their shards."""
+    others are worker processes that load the same checkpoint and keep their shards."""
 
     runner_class = TensorParallelModelRunner
     timeout_s = 60.0  # a collective gives up after this long
@@ -65,8 +65,7 @@ class TensorParallelEngine(LLMEngine):
                                "call its shutdown() first")
         self.workers = TensorParallelWorkers(tensor_parallel_size, (*load_args, device.type), backend,
                                              (config.num_kv_blocks, config.block_size), self.timeout_s)
-        self._finalizer = weakref.finalize(self, shutdown_tensor_parallel, self.workers.processes,
-                                           self.workers.inboxes)
+        self._finalizer = weakref.finalize(self, shutdown_tensor_parallel, self.workers)
         try:
             self.workers.wait_ready(self.startup_timeout_s)
             init_tensor_parallel(0, tensor_parallel_size, self.workers.port, device, self.timeout_s)
@@ -81,6 +80,6 @@ class TensorParallelEngine(LLMEngine):
         self._finalizer()
 
 
-def shutdown_tensor_parallel(processes, inboxes) -> None:
-    stop_workers(processes, inboxes)
+def shutdown_tensor_parallel(workers: TensorParallelWorkers) -> None:
+    workers.shutdown()
     destroy_tensor_parallel()

@@ -32,6 +32,10 @@ class Completion:
         return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
 
 
+# SamplingParams fields that only chapter 6's batched sampler applies, with the defaults that leave them off
+NOT_APPLIED = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_tokens": 0}
+
+
 def check_request(model, prompt_ids: list[int], params: SamplingParams, max_len: int | None = None,
                   name: str = "prompt_ids") -> int:
     """Refuse a request a one-sequence generator cannot serve, before any work; return how many tokens it may
@@ -39,6 +43,12 @@ def check_request(model, prompt_ids: list[int], params: SamplingParams, max_len:
     max_len = model.config.max_model_len if max_len is None else max_len
     if params.n != 1:
         raise ValueError(f"SamplingParams.n = {params.n}: this generator makes one sequence per prompt")
+    changed = [f"{field} = {getattr(params, field)!r}" for field, default in NOT_APPLIED.items()
+               if getattr(params, field) != default]
+    if changed:
+        raise ValueError(f"SamplingParams.{', '.join(changed)}: the book's one-request generators sample with "
+                         "chapter 1's sample_token, which applies neither penalties nor min_tokens; chapter 6's "
+                         "engine (LLM.generate) does")
     if not prompt_ids:
         raise ValueError(f"{name} is empty: the model needs at least one token to condition on")
     if max_len > model.config.max_model_len:

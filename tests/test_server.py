@@ -627,7 +627,10 @@ FIELDS = {  # every request field, with values of a wrong type or out of range
     "model": [5, ["minivllm"], "gpt-4", ""],
     "user": [5, {}],
     "echo": [True],
-    "presence_penalty": [0.5],
+    "presence_penalty": [3, -2.5, "0.5", True, [0.5]],
+    "frequency_penalty": [2.5, "1", False],
+    "repetition_penalty": [0, -1, "1", True],
+    "min_tokens": [-1, 1.5, "1", 2**31, 5],  # 5: more than max_tokens
 }
 CHAT_FIELDS = {
     "messages": [None, "hello", [], [{}], [{"role": "user"}], [{"role": "wizard", "content": "x"}],

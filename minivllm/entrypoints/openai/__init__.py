@@ -2,7 +2,15 @@
 `AsyncLLM` (minivllm/engine/async_llm.py) and streaming (minivllm/entrypoints/openai_server.py).
 
     protocol.py    the request bodies (pydantic), the error body, SamplingParams from a request
-    api_server.py  the FastAPI app (`build_app`): routes, API key, limits
+    guards.py      Limits, the outermost guard (header count, API key, OPTIONS), bounded body reading, hang-ups
+    api_server.py  the FastAPI app (`build_app`): routes and handlers
     metrics.py     Prometheus metrics
-    launcher.py    uvicorn: `run_server` (python -m minivllm serve) and `BackgroundServer`
+    launcher.py    uvicorn: `run_server` (python -m minivllm serve), `ThreadedUvicorn`, `BackgroundServer`
+
+Data parallelism (chapter 12), one job per module:
+
+    replica.py     one replica process: chapter 10's app with its KV events published (`/kv_events`)
+    supervisor.py  the replica processes: start, announce, stop
+    front.py       the front end: route, proxy, follow KV events, probe liveness
+    dp_server.py   the launchers: `DataParallelServer`, `run_dp_server`
 """

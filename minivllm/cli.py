@@ -140,6 +140,10 @@ def main(argv=None) -> int:
         from minivllm.tools.bench import main as bench_main
 
         return bench_main(["engine", *argv[1:]])
+    if argv and argv[0] == "grade":
+        from minivllm.tools.grade import main as grade_main
+
+        return grade_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m minivllm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -166,6 +170,8 @@ def main(argv=None) -> int:
                         help="how the front end picks a replica when --data-parallel-size > 1 (default: prefix-aware)")
     EngineArgs.add_cli_args(server)
     sub.add_parser("bench", help="throughput, TTFT and TPOT of the engine (see python -m minivllm bench --help)")
+    sub.add_parser("grade", help="run notebooks in fresh kernels and report their exercise checks, for a class; "
+                                 "student code runs as it is: use a container (python -m minivllm grade --help)")
     explain = sub.add_parser("explain-cache", help="which blocks of prompt B would be served from A's prefix cache")
     explain.add_argument("a", help="a text file, or a .json chat (a list of {role, content} messages)")
     explain.add_argument("b")

@@ -85,7 +85,7 @@ def _chain():
 def _computed_blocks():
     """The reader's get_computed_blocks(manager, request) -> (blocks, num_tokens) replaces the prefix cache's
     lookup in a real LLMEngine with prefix caching on; tokens and cached counts are checked."""
-    from minivllm.book.mechanism_checks import divergence, greedy_reference, passage_prompts, run_engine
+    from minivllm.book.mechanism_checks import divergence, greedy_reference, passage_prompts, run_engine, tiny_model
     from minivllm.config import EngineConfig
     from minivllm.core.kv_cache_manager import PrefixCachingKVCacheManager
 
@@ -116,10 +116,34 @@ def _computed_blocks():
                 expect(got == want, f"request {i} ({len(prompt)}-token prompt): {got} cached tokens, expected {want}")
         return test
 
+    def evicted_in_the_middle(get_computed_blocks):
+        from minivllm.core.kv_cache_utils import block_hashes
+        from minivllm.engine.llm_engine import LLMEngine
+        from minivllm.sampling_params import SamplingParams
+
+        config = EngineConfig(block_size=4, num_kv_blocks=64, max_num_seqs=1, enable_prefix_caching=True)
+        model, tokenizer, _ = tiny_model()
+        engine = LLMEngine(model, tokenizer, config)
+        engine.kv_manager = engine.scheduler.kv_manager = engine.model_runner.kv_manager = \
+            manager(get_computed_blocks, config)
+        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        first = shared[:24]
+        for request_id, prompt in (("a", first), ("b", first + others[0])):
+            engine.add_request(request_id, prompt, params)
+            while engine.has_unfinished_requests():
+                engine.step()
+            if request_id == "a":  # block 1 of the prefix is forgotten (as if evicted); blocks 2-5 stay cached
+                pool = engine.kv_manager.pool
+                pool.evict(pool.cached.get(block_hashes(first, 4)[1]))
+        got = engine.output("b").num_cached_tokens
+        expect(got == 4, f"block 1 of a cached 6-block prefix evicted: {got} tokens served from cache, expected 4 "
+                         f"(block 0 only: the chain breaks at the first missing block)")
+
     shared = passage_prompts([41])[0]
     others = passage_prompts([9, 14, 5, 11, 20], offset=400)
     with_tail = [shared + tail for tail in others]
     return [
+        ("an evicted block in the middle ends the hit", evicted_in_the_middle),
         ("a shared 41-token prefix, five tails", case(with_tail, 200, 2)),
         ("identical block-aligned prompts: the last block is recomputed", case([shared[:40]] * 3, 200, 1)),
         ("a tail that differs inside block 2", case([shared, shared[:9] + others[0] + shared[18:]], 200, 1)),
@@ -159,6 +183,7 @@ def _predict_cached():
                                                      "'outrageous' -> 'outrageouz'")),
         ("B extends A", case(jaques[:200], jaques, 8, "B = A + more text")),
         ("identical texts", case(jaques, jaques, 4, "the same text twice")),
+        ("identical texts, blocks of one token: the last one is computed", case(jaques, jaques, 1, "block size 1")),
         ("B is a prefix of A", case(hamlet, hamlet[:300], 16, "B = the first 300 characters of A")),
         ("a change in the first word", case(hamlet, "So" + hamlet[2:], 16, "'To be' -> 'So be'")),
     ]

@@ -34,6 +34,17 @@ def _cached_prefix_tokens():
                                                  f"(block size {block_size}, {len(held)} blocks held)")
         return test
 
+    def gap(cached_prefix_tokens):
+        from minivllm.core.kv_cache_utils import SEED_HASH, hash_block
+
+        tokens, chain = list(range(500, 533)), [SEED_HASH]
+        for k in range(8):
+            chain.append(hash_block(chain[-1], tokens[4 * k:4 * k + 4]))
+        held = frozenset(chain[1:3] + chain[4:])  # block 2 was evicted (a BlockRemoved event), later ones were not
+        got = cached_prefix_tokens(tokens, 4, None, held)
+        expect(got == 8, f"blocks 0, 1 and 3-7 held, block 2 evicted: predicted {got} cached tokens, expected 8 "
+                         f"(the engine's lookup stops at the first block it lacks)")
+
     from transformers import AutoTokenizer
 
     from minivllm.model.loader import DEFAULT_MODEL
@@ -41,6 +52,7 @@ def _cached_prefix_tokens():
     ids = AutoTokenizer.from_pretrained(DEFAULT_MODEL)(CORPUS).input_ids
     a, other = ids[:48], ids[300:340]
     return [
+        ("a gap in the blocks held ends the prefix", gap),
         ("a new question after the same prefix", case([a + ids[100:110]], a + ids[200:207], 4, what="shared 48 tokens")),
         ("nothing in common", case([a], other, 4, what="different first block")),
         ("the whole request is cached: its last block is recomputed", case([a], a, 8, what="identical, block-aligned")),

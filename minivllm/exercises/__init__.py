@@ -42,6 +42,11 @@ def check_seed() -> int:
         raise ValueError(f"{SEED_VARIABLE}={value!r}: the check seed must be an integer") from None
 
 
+def case_seed(base: int) -> int:
+    """A torch seed for a randomised case: `base` itself under the default check seed, another under any other."""
+    return base + 1_000_003 * check_seed()
+
+
 def case_random(stream: str) -> random.Random:
     """A random generator for one exercise's randomised cases (`stream` keeps exercises independent)."""
     return random.Random(f"{check_seed()}/{stream}")

@@ -2,7 +2,7 @@
 
 import torch
 
-from minivllm.exercises import close, exercise, expect
+from minivllm.exercises import case_seed, close, exercise, expect
 
 @exercise("01.rms_norm")
 def _rms_norm():
@@ -10,7 +10,7 @@ def _rms_norm():
 
     def case(shape, eps, dtype=torch.float32):
         def test(rms_norm):
-            gen = torch.Generator().manual_seed(sum(shape))
+            gen = torch.Generator().manual_seed(case_seed(sum(shape)))
             x = (torch.randn(*shape, generator=gen) * 3).to(dtype)
             weight = torch.randn(shape[-1], generator=gen).to(dtype)
             norm = RMSNorm(shape[-1], eps).to(dtype)
@@ -42,14 +42,14 @@ def _apply_rope():
 
     def case(tokens, heads, head_dim, theta, positions=None):
         def test(apply_rope):
-            gen = torch.Generator().manual_seed(tokens * heads + head_dim)
+            gen = torch.Generator().manual_seed(case_seed(tokens * heads + head_dim))
             x = torch.randn(tokens, heads, head_dim, generator=gen)
             pos = torch.arange(tokens) if positions is None else torch.tensor(positions)
             close(apply_rope(x, pos, theta), reference(x, pos, theta), f"{tokens}x{heads}x{head_dim}", atol=1e-4)
         return test
 
     def relative(apply_rope):
-        gen = torch.Generator().manual_seed(7)
+        gen = torch.Generator().manual_seed(case_seed(7))
         q, k = torch.randn(1, 1, 64, generator=gen), torch.randn(1, 1, 64, generator=gen)
         dots = [(apply_rope(q, torch.tensor([m]), 10000.0) * apply_rope(k, torch.tensor([m - 5]), 10000.0)).sum()
                 for m in (5, 17, 300)]
@@ -81,7 +81,7 @@ def _top_p_filter():
 
     def random_case(top_p):
         def test(top_p_filter):
-            p = torch.randn(500, generator=torch.Generator().manual_seed(3)).mul(3).softmax(-1)
+            p = torch.randn(500, generator=torch.Generator().manual_seed(case_seed(3))).mul(3).softmax(-1)
             close(top_p_filter(p.clone(), top_p), reference(p, top_p), f"500 tokens, top_p={top_p}", atol=1e-6)
         return test
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from minivllm.exercises import CheckFailed, case_random, close, exercise, expect
+from minivllm.exercises import CheckFailed, case_random, case_seed, close, exercise, expect
 
 _BY_HAND = "the exercise asks for attention by hand: scores, softmax and the weighted sum, not a library's attention"
 
@@ -65,7 +65,7 @@ def _decode_attention():
 
     def case(num_heads, num_kv_heads, head_dim, max_len, length, seed):
         def test(decode_attention):
-            gen = torch.Generator().manual_seed(seed)
+            gen = torch.Generator().manual_seed(case_seed(seed))
             q = torch.randn(num_heads, head_dim, generator=gen)
             k_cache = torch.randn(max_len, num_kv_heads, head_dim, generator=gen)
             v_cache = torch.randn(max_len, num_kv_heads, head_dim, generator=gen)

@@ -2,7 +2,7 @@
 
 import torch
 
-from minivllm.exercises import CheckFailed, close, exercise, expect
+from minivllm.exercises import CheckFailed, case_seed, close, exercise, expect
 
 
 @exercise("05.slot_mapping")
@@ -27,7 +27,8 @@ def _slot_mapping():
 def _gather_kv():
     def case(num_blocks, block_size, table, seq_len):
         def test(gather_kv):
-            cache = torch.randn(num_blocks, block_size, 2, 8, generator=torch.Generator().manual_seed(seq_len))
+            gen = torch.Generator().manual_seed(case_seed(seq_len))
+            cache = torch.randn(num_blocks, block_size, 2, 8, generator=gen)
             want = torch.cat([cache[b] for b in table])[:seq_len]
             close(gather_kv(cache, torch.tensor(table), seq_len), want, f"table {table}, seq_len {seq_len}", atol=0)
         return test

@@ -167,7 +167,8 @@ def _schedule():
                 expect(got == want, f"request {i}: tokens {got}, the engine's own scheduler gives {want}")
             pool = reader.kv_manager.pool
             expect(pool.num_free == pool.num_blocks, f"{pool.num_blocks - pool.num_free} blocks held after the end")
-            expect(any(step.chunked for step in ref), f"no prompt was chunked under a budget of {budget}, so the case proved nothing")
+            expect(any(step.chunked for step in ref),
+                   f"no prompt was chunked under a budget of {budget}, so the case proved nothing")
             expect(not preempts or reader.scheduler.num_preemptions > 0,
                    f"{blocks} blocks of 4 cannot hold every request at once, yet nothing was preempted")
         return test

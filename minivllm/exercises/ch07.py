@@ -1,7 +1,5 @@
 """Chapter 7 exercises."""
 
-import random
-
 from minivllm.exercises import case_random, exercise, expect, forbidden_calls
 
 
@@ -17,7 +15,7 @@ def _shared_blocks():
             expect(got == want, f"{what}: shared_blocks(len {len(a)}, len {len(b)}, {size}) = {got}, expected {want}")
         return test
 
-    rng = random.Random(0)
+    rng = case_random("07.shared_blocks")
     base = [rng.randrange(1000) for _ in range(100)]
     return [
         ("nothing in common", case(base, [7] + base[1:], 16, "differs at token 0")),

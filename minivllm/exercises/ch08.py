@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 from torch.overrides import TorchFunctionMode
 
-from minivllm.exercises import CheckFailed, case_random, close, exercise, expect
+from minivllm.exercises import CheckFailed, case_random, case_seed, close, exercise, expect
 
 
 def _attention(q, k, v):
@@ -19,7 +19,8 @@ def _attention(q, k, v):
 
 _METADATA = {torch.Tensor.__len__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel,
              torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
-             torch.Tensor.ndim.__get__, torch.Tensor.is_floating_point}
+             torch.Tensor.ndim.__get__, torch.Tensor.is_floating_point, torch.Tensor.new_zeros,
+             torch.Tensor.new_empty, torch.Tensor.new_ones, torch.Tensor.new_full}  # reads no keys
 _SPLITS = {torch.Tensor.split, torch.split, torch.Tensor.unbind, torch.unbind}
 
 
@@ -79,7 +80,7 @@ class _NoWholeRow(TorchFunctionMode):
 def _online_softmax():
     def case(num_keys, tile, head_dim=16, scale=1.0, seed=0):
         def test(online_attention):
-            gen = torch.Generator().manual_seed(seed)
+            gen = torch.Generator().manual_seed(case_seed(seed))
             q = torch.randn(head_dim, generator=gen, dtype=torch.float64) * scale
             k = torch.randn(num_keys, head_dim, generator=gen, dtype=torch.float64) * scale
             v = torch.randn(num_keys, head_dim, generator=gen, dtype=torch.float64)
@@ -103,7 +104,7 @@ def _online_softmax():
 
 
 def _partials(num_keys, split, head_dim, seed):
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(case_seed(seed))
     q = torch.randn(head_dim, generator=gen, dtype=torch.float64) * 3
     k = torch.randn(num_keys, head_dim, generator=gen, dtype=torch.float64) * 3
     v = torch.randn(num_keys, head_dim, generator=gen, dtype=torch.float64)
@@ -201,7 +202,7 @@ def _paged_decode_batch(seq_lens, block_size, num_heads, num_kv_heads, head_dim=
     """A random paged cache, its blocks in shuffled order, and one decode step for sequences of seq_lens."""
     from minivllm.attention.paged import PagedAttention, PagedKVCache
 
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(case_seed(seed))
     blocks = [math.ceil(n / block_size) for n in seq_lens]
     shape = SimpleNamespace(num_layers=1, num_kv_heads=num_kv_heads, head_dim=head_dim)
     cache = PagedKVCache(shape, sum(blocks), block_size)

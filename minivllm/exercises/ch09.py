@@ -5,7 +5,7 @@ import random
 
 import torch
 
-from minivllm.exercises import case_random, exercise, expect, forbidden_calls
+from minivllm.exercises import case_random, case_seed, exercise, expect, forbidden_calls
 
 
 def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -95,7 +95,7 @@ def _verify_sampled():
 
     def distribution(one_hot: bool):
         def test(verify_sampled):
-            generator = torch.Generator().manual_seed(0)
+            generator = torch.Generator().manual_seed(case_seed(0))
             first, second = torch.zeros(5), torch.zeros(5)
             for _ in range(20_000):
                 if one_hot:
@@ -118,7 +118,7 @@ def _verify_sampled():
         return test
 
     def perfect_draft(verify_sampled):
-        generator = torch.Generator().manual_seed(1)
+        generator = torch.Generator().manual_seed(case_seed(1))
         for _ in range(200):
             tokens = [int(torch.multinomial(row, 1, generator=generator)) for row in p[:2]]
             out = list(verify_sampled(p, tokens, p[:2], generator))

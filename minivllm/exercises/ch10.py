@@ -1,7 +1,6 @@
 """Chapter 10 exercises."""
 
 import json
-import random
 
 from minivllm.exercises import case_random, exercise, expect, forbidden_calls
 
@@ -19,7 +18,7 @@ def _parse_sse():
             expect(got == events, f"{what}: got {got[:3]}{'...' if len(got) > 3 else ''}, expected {events[:3]}")
         return test
 
-    rng = random.Random(0)
+    rng = case_random("10.parse_sse")
     pieces = [{"choices": [{"index": 0, "text": rng.choice(["a", " b", "\n", "data: x", ""]),
                             "finish_reason": None}]} for _ in range(12)]
     return [

@@ -1,8 +1,6 @@
 """Chapter 12 exercises."""
 
-import random
-
-from minivllm.exercises import exercise, expect
+from minivllm.exercises import case_random, exercise, expect
 
 
 @exercise("12.cached_prefix_tokens")
@@ -90,7 +88,7 @@ def _choose():
 
     def replay(replicas: int, seed: int, what: str):
         def test(choose):
-            rng = random.Random(seed)
+            rng = case_random(f"12.choose/{seed}")
             routers = [Router(replicas, "prefix-aware", block_size=4) for _ in range(2)]
             routers[0].policy.choose, routers[1].policy.choose = choose, reference_choose
             conversations = [[1000 * t + k for k in range(12)] for t in range(4) for _ in range(2)]

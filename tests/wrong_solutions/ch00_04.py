@@ -112,7 +112,8 @@ def kv_bytes_all_heads(hf_config, num_tokens, dtype_bytes):  # GQA ignored
 def kv_bytes_head_dim_from_hidden(hf_config, num_tokens, dtype_bytes):
     heads = hf_config["num_attention_heads"]
     kv_heads = hf_config.get("num_key_value_heads") or heads
-    return 2 * hf_config["num_hidden_layers"] * kv_heads * (hf_config["hidden_size"] // heads) * dtype_bytes * num_tokens
+    head_dim = hf_config["hidden_size"] // heads
+    return 2 * hf_config["num_hidden_layers"] * kv_heads * head_dim * dtype_bytes * num_tokens
 
 
 def decode_attention_sdpa(q, k_cache, v_cache, length):

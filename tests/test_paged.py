@@ -85,6 +85,20 @@ def test_every_block_is_free_again_once_all_sequences_are_freed_in_any_order(len
     assert pool.num_free == 64 and all(c == 0 for c in pool.ref_counts)
 
 
+def test_freed_blocks_are_reused_first_in_the_order_freed():
+    """vLLM 0.33's free_blocks without prefix caching: freed blocks go to the front of the free queue (LIFO
+    reuse), the first block of the list given first in line; a block still shared stays out."""
+    pool = BlockPool(6)
+    blocks = pool.allocate(4)  # 0 1 2 3; the queue holds 4 5
+    pool.share([blocks[2]])
+    pool.free(blocks[::-1])  # 3, 2 (still shared), 1, 0
+    assert list(pool.free_queue) == [3, 1, 0, 4, 5]
+    manager = KVCacheManager(pool, block_size=4)
+    manager.allocate("seq", 0, 8)
+    manager.free("seq")  # tail first: its last block is reused first
+    assert list(pool.free_queue) == [1, 3, 0, 4, 5]
+
+
 def test_double_free_and_sharing_a_free_block_are_refused():
     pool = BlockPool(2)
     [block] = pool.allocate(1)

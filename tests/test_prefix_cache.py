@@ -46,25 +46,26 @@ def test_salt_enters_the_first_block_so_nothing_is_shared():
 def test_cache_map_stays_consistent_and_blocks_in_use_are_never_evicted(ops):
     pool = PrefixCachingBlockPool(8)
     held: list[int] = []
-    contents = iter(range(10**6))
     for op, arg in ops:
         if op == "allocate" and arg % 3 < pool.num_free:
-            in_use_hashes = {pool.block_hash[b] for b in held if pool.block_hash[b]}
-            got = pool.allocate(arg % 3)
-            held += got
-            assert in_use_hashes <= set(pool.cached)  # evicting only ever takes free blocks' names
-        elif op == "cache" and held:
-            pool.cache(held[arg % len(held)], hash_block(SEED_HASH, [next(contents)]))
+            in_use = {b for b in held if pool.block_hash[b]}
+            held += pool.allocate(arg % 3)
+            assert all(pool.block_hash[b] for b in in_use)  # evicting only ever takes free blocks' names
+        elif op == "cache" and held and pool.block_hash[held[arg % len(held)]] is None:
+            pool.cache(held[arg % len(held)], hash_block(SEED_HASH, [arg % 4]))  # few contents: duplicates
         elif op == "free" and held:
             pool.free([held.pop(arg % len(held))])
         elif op == "revive" and pool.cached:
-            block = sorted(pool.cached.values())[arg % len(pool.cached)]
+            block = pool.cached[sorted(pool.cached)[arg % len(pool.cached)]]
             pool.revive([block])
             held.append(block)
-        assert all(pool.block_hash[b] == h for h, b in pool.cached.items())
-        assert sum(h is not None for h in pool.block_hash) == len(pool.cached)
+        named = [(h, b) for h in pool.cached for b in pool.cached.copies(h)]
+        assert all(pool.block_hash[b] == h for h, b in named) and all(pool.cached.copies(h) for h in pool.cached)
+        assert sum(h is not None for h in pool.block_hash) == len(named)
         assert pool.num_free + len(set(held)) == 8
         assert all(pool.ref_counts[b] == held.count(b) for b in range(8))
+        unnamed_free = [b for b in pool.free_queue if pool.block_hash[b] is None]
+        assert list(pool.free_queue)[:len(unnamed_free)] == unnamed_free  # unnamed first, then the cached
 
 
 def test_blocks_are_evicted_least_recently_freed_first_and_prefixes_last():
@@ -77,6 +78,36 @@ def test_blocks_are_evicted_least_recently_freed_first_and_prefixes_last():
     assert not set(fresh) & set(blocks) and len(pool.cached) == 3
     evicted = pool.allocate(2)
     assert evicted == [blocks[2], blocks[1]] and list(pool.cached.values()) == [blocks[0]]
+
+
+def test_a_freed_block_without_a_name_is_reused_before_any_cached_block():
+    """vLLM 0.33's free_blocks: unnamed blocks to the front of the free queue, in the order freed; named ones
+    to the back."""
+    pool = PrefixCachingBlockPool(6)
+    blocks = pool.allocate(4)  # 0 1 2 3; the queue holds 4 5
+    pool.cache(blocks[0], hash_block(SEED_HASH, [0]))
+    pool.cache(blocks[2], hash_block(SEED_HASH, [2]))
+    pool.free(blocks[::-1])  # 3 (unnamed), 2 (named), 1 (unnamed), 0 (named)
+    assert list(pool.free_queue) == [3, 1, 4, 5, 2, 0]
+    assert pool.allocate(4) == [3, 1, 4, 5] and pool.cached.get(hash_block(SEED_HASH, [0])) == 0
+
+
+def test_every_full_block_is_named_even_when_its_contents_are_already_cached():
+    """vLLM's BlockHashToBlockMap keeps every block with a hash; a lookup returns the first one named."""
+    pool = PrefixCachingBlockPool(4)
+    first, second = pool.allocate(2)
+    contents = hash_block(SEED_HASH, [1, 2, 3])
+    pool.cache(first, contents)
+    pool.cache(second, contents)
+    assert pool.cached.copies(contents) == [first, second] and pool.cached[contents] == first
+    pool.evict(first)
+    assert pool.cached.get(contents) == second and len(pool.cached) == 1
+    pool.evict(second)
+    assert contents not in pool.cached and pool.cached.get(contents) is None and not pool.cached
+    [block] = pool.allocate(1)
+    pool.cache(block, contents)
+    with pytest.raises(ValueError, match="already named"):
+        pool.cache(block, hash_block(SEED_HASH, [4]))
 
 
 # ------------------------------------------------------------------ the engine
@@ -171,14 +202,16 @@ def test_stats_count_prompt_tokens_looked_up_and_found(model):
 class Chars:
     """A tokenizer with one token per character, and a chat template."""
 
-    def __call__(self, text):
+    chat_template = "<role>content, then <assistant> to open the reply"
+
+    def __call__(self, text, add_special_tokens=True):
         return type("Encoding", (), {"input_ids": [ord(c) for c in text]})
 
     def decode(self, ids):
         return "".join(map(chr, ids))
 
-    def apply_chat_template(self, messages, tokenize=False):
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages)
+    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=False):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>" * add_generation_prompt
 
 
 def test_autopsy_counts_what_the_engine_would_reuse():
@@ -203,3 +236,36 @@ def test_explain_cache_command_line(tmp_path):
                              str(tmp_path / "b.txt"), "--block-size", "8"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "reused" in result.stdout and "B reuses" in result.stdout and "recomputes" in result.stdout
+
+
+def named(pool, block_id):
+    return pool.block_hash[block_id] is not None
+
+
+def test_issue_case_an_unnamed_block_does_not_push_a_cached_prefix_out(model):
+    """Four blocks of 16: A (32-token prompt P), B (5), C (40), then D = P[:16] + 10 tokens, one at a time.
+    vLLM 0.33 serves D 16 cached tokens: B's and C's unnamed last blocks are reused before A's first block."""
+    engine = LLMEngine(model, None, EngineConfig(block_size=16, num_kv_blocks=4, enable_prefix_caching=True))
+    pool, prompt = engine.kv_manager.pool, random_tokens(32, 21)
+    serve(engine, [prompt], max_tokens=1)  # A took blocks 0 1, both named, freed tail first to the back
+    assert list(pool.free_queue) == [2, 3, 1, 0] and named(pool, 0) and named(pool, 1)
+    serve(engine, [random_tokens(5, 22)], max_tokens=1)  # B took block 2, unnamed: back to the front
+    assert list(pool.free_queue) == [2, 3, 1, 0] and not named(pool, 2)
+    serve(engine, [random_tokens(40, 23)], max_tokens=1)  # C took 2 3 1 (evicting A's block 1)
+    assert list(pool.free_queue) == [1, 0, 3, 2] and not named(pool, 1) and named(pool, 0)
+    [d] = serve(engine, [prompt[:16] + random_tokens(10, 24)], max_tokens=1)
+    assert d.num_cached_tokens == 16
+
+
+def test_issue_case_duplicate_blocks_are_all_named_so_either_copy_serves_a_hit(model):
+    """X and Y, the same 16 tokens, arrive together and each computes its own block; W (40 tokens) evicts
+    one copy; Q = X + 5 tokens still hits the other (vLLM names both copies)."""
+    engine = LLMEngine(model, None, EngineConfig(block_size=16, num_kv_blocks=4, enable_prefix_caching=True))
+    pool, x = engine.kv_manager.pool, random_tokens(16, 31)
+    serve(engine, [x, list(x)], max_tokens=1)
+    [contents] = pool.cached
+    assert len(pool.cached.copies(contents)) == 2
+    serve(engine, [random_tokens(40, 32)], max_tokens=1)
+    assert len(pool.cached.copies(contents)) == 1
+    [q] = serve(engine, [x + random_tokens(5, 33)], max_tokens=1)
+    assert q.num_cached_tokens == 16

@@ -3,7 +3,7 @@
 import math
 
 from minivllm.core.block_pool import BlockPool, NoFreeBlocksError, PrefixCachingBlockPool
-from minivllm.core.kv_cache_utils import SEED_HASH, hash_block
+from minivllm.core.kv_cache_utils import extend_hash_chain
 
 
 class KVCacheManager:
@@ -51,8 +51,8 @@ class KVCacheManager:
         self.pool.share(self.block_tables[child])
 
     def free(self, seq_id) -> None:
-        """Give back a sequence's blocks, last block first: its first blocks, the likeliest to be shared,
-        then sit at the back of the free queue and survive longest (ch. 7)."""
+        """Give back a sequence's blocks, last block first (as vLLM does): of its blocks, the first ones,
+        the likeliest to be shared (ch. 7), are then the last to be handed out again."""
         self.pool.free(self.block_tables.pop(seq_id, [])[::-1])
 
     # What chapter 6's scheduler calls, with a request; chapter 7's prefix cache overrides these three.
@@ -82,11 +82,10 @@ class PrefixCachingKVCacheManager(KVCacheManager):
 
     def block_hashes(self, request, num_blocks: int) -> list[bytes]:
         """The request's hash chain, extended to num_blocks blocks; kept on the request, each hash computed once."""
-        hashes, tokens, size = request.block_hashes, request.all_token_ids, self.block_size
-        for index in range(len(hashes), num_blocks):
-            extra = (request.cache_salt,) if index == 0 and request.cache_salt is not None else ()
-            hashes.append(hash_block(hashes[-1] if hashes else SEED_HASH, tokens[index * size:(index + 1) * size], extra))
-        return hashes[:num_blocks]
+        if len(request.block_hashes) < num_blocks:
+            extend_hash_chain(request.block_hashes, request.all_token_ids, self.block_size, num_blocks,
+                              request.cache_salt)
+        return request.block_hashes[:num_blocks]
 
     def get_computed_blocks(self, request) -> tuple[list[int], int]:
         """Its longest run of leading full blocks in the cache, and the tokens they hold: at most

@@ -13,11 +13,17 @@ def hash_block(parent: bytes, token_ids, extra_keys=()) -> bytes:
     return hashlib.sha256(parent + payload).digest()
 
 
-def block_hashes(token_ids, block_size: int, cache_salt: str | None = None) -> list[bytes]:
-    """The hash chain of every *full* block of a token sequence; the salt enters the first block only."""
-    hashes, parent = [], SEED_HASH
-    for index in range(len(token_ids) // block_size):
+def extend_hash_chain(hashes: list[bytes], token_ids, block_size: int, num_blocks: int,
+                      cache_salt: str | None = None) -> list[bytes]:
+    """Extend `hashes`, the chain of token_ids' first blocks, in place to its first num_blocks full blocks;
+    the salt enters the first block only. The engine keeps a request's chain and extends it as tokens come."""
+    for index in range(len(hashes), num_blocks):
         extra = (cache_salt,) if index == 0 and cache_salt is not None else ()
-        parent = hash_block(parent, token_ids[index * block_size:(index + 1) * block_size], extra)
-        hashes.append(parent)
+        parent = hashes[-1] if hashes else SEED_HASH
+        hashes.append(hash_block(parent, token_ids[index * block_size:(index + 1) * block_size], extra))
     return hashes
+
+
+def block_hashes(token_ids, block_size: int, cache_salt: str | None = None) -> list[bytes]:
+    """The hash chain of every *full* block of a token sequence."""
+    return extend_hash_chain([], token_ids, block_size, len(token_ids) // block_size, cache_salt)

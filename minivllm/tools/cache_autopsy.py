@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 from minivllm.core.kv_cache_utils import block_hashes
+from minivllm.entrypoints.chat import chat_token_ids
 
 
 @dataclass
@@ -28,16 +29,21 @@ class CacheAutopsy:
 
 def explain_cache(tokenizer, prompt_a, prompt_b, block_size: int = 16, salt_a: str | None = None,
                   salt_b: str | None = None) -> CacheAutopsy:
-    """Prompts are strings, token id lists, or chat message lists (rendered with the tokenizer's chat template)."""
+    """Prompts are strings, token id lists, or chat message lists, tokenised as the engine tokenises them
+    (a chat through its template, with the prompt that opens the assistant's turn, as `LLM.chat` renders it)."""
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size = {block_size!r}: must be an integer >= 1")
 
     def tokens(prompt):
         if isinstance(prompt, str):
             return tokenizer(prompt).input_ids
         if prompt and isinstance(prompt[0], dict):
-            return tokenizer(tokenizer.apply_chat_template(prompt, tokenize=False)).input_ids
+            return chat_token_ids(tokenizer, prompt)
         return list(prompt)
 
     a, b = tokens(prompt_a), tokens(prompt_b)
+    if not a or not b:
+        raise ValueError(f"prompt {'A' if not a else 'B'} has no tokens: there is nothing to compare")
     hashes_a, hashes_b = block_hashes(a, block_size, salt_a), block_hashes(b, block_size, salt_b)
     first_different = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
     cached = set(hashes_a)

@@ -14,6 +14,7 @@ status 1 lists what is missing, one line per citation, with the file and cell th
 """
 
 import argparse
+import builtins
 import json
 import re
 import subprocess
@@ -78,6 +79,7 @@ def stale_pins(where: str, text: str, pin: str) -> list[str]:
 
 DEFINITION = re.compile(r"^\s*(?:(?:async\s+)?def|class)\s+(\w+)|^\s*(?:self\.)?(\w+)\s*(?::[^=\n]*)?=(?!=)"
                         r"|^\s*(\w+)\s*:", re.M)
+LITERAL = re.compile(r"[\"'](\w+)[\"']")
 IMPORTED = re.compile(r"^\s*(?:from\s+[\w.]+\s+)?import\s+\(?([\w\s,.]+)\)?", re.M)
 
 
@@ -88,14 +90,18 @@ def definitions(files: list[Path], imported: bool = False) -> set[str]:
     for file in files:
         text = file.read_text(errors="replace")
         names |= {next(group for group in match.groups() if group) for match in DEFINITION.finditer(text)}
-        if imported:  # a library's name the release uses (tokenizers' DecodeStream, prometheus_client)
+        if imported:  # a library's name the release uses (tokenizers' DecodeStream, prometheus_client), a value
             names |= {word for match in IMPORTED.findall(text) for word in re.findall(r"\w+", match)}
+            names |= set(LITERAL.findall(text))  # a string value the release gives a name to: "fcfs"
+            names |= set(re.findall(r"\.([A-Z]\w+)", text))  # a class used by attribute: decoders.DecodeStream
     return names
 
 
 def defined(name: str, names: set[str]) -> bool:
-    """Every part of a dotted name (`Class.method`, `function()`) is among the defined names."""
-    return all(part in names for part in name.removesuffix("()").split("."))
+    """Every part of a dotted name (`Class.method`, `function()`) is among the defined names, or the name is
+    Python's own (a builtin such as GeneratorExit, or a standard module's: asyncio.CancelledError)."""
+    parts = name.removesuffix("()").split(".")
+    return all(part in names for part in parts) or parts[0] in sys.stdlib_module_names or hasattr(builtins, parts[0])
 
 
 def problems(citations_found: list[Citation], source_root: Path, ours: set[str] = frozenset()) -> list[str]:

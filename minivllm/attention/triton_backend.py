@@ -33,7 +33,7 @@ class TritonPagedAttention(PagedAttention):
 
     def attend(self, layer, q, k, v):
         # imported here, not at the top: the kernels are defined on import, and on a CPU only after
-        # use_interpreter_without_gpu() (the selector below calls it)
+        # use_interpreter_without_gpu() (chapter 8b's selector calls it)
         from minivllm.kernels.paged_attention import check_paged_inputs, paged_decode_attention, paged_prefill_attention
 
         k_cache, v_cache = self.kv_cache.layer(layer)

@@ -80,10 +80,12 @@ class SpecDecodeEngine(LLMEngine):
         method = options.get("method", "draft_model" if "model" in options else None)
         if method not in ("ngram", "draft_model"):
             raise ValueError(f"speculative_config['method'] = {method!r}: must be 'ngram' or 'draft_model'")
-        k = options.get("num_speculative_tokens")
-        if not isinstance(k, int) or k < 1:
-            raise ValueError(f"speculative_config['num_speculative_tokens'] = {k!r}: must be an integer >= 1")
-        return method, k, options
+        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = options.get(key)
+            if (key in options or key == "num_speculative_tokens") and (
+                    isinstance(value, bool) or not isinstance(value, int) or value < 1):  # bool is an int to Python
+                raise ValueError(f"speculative_config[{key!r}] = {value!r}: must be an integer >= 1")
+        return method, options["num_speculative_tokens"], options
 
     def __init__(self, model, tokenizer, config, backend, speculative_config: dict, share_kv_budget: bool = False):
         method, k, options = self.parse_speculative_config(speculative_config)

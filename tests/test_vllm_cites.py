@@ -59,3 +59,24 @@ def test_a_source_folder_without_vllm_is_refused(tmp_path):
         assert "no vllm/__init__.py" in str(error)
     else:
         raise AssertionError("a folder without vllm/ was accepted")
+
+
+def test_a_wheel_is_read_through_its_python_files(tmp_path, capsys):
+    import zipfile
+
+    wheel = tmp_path / "vllm-0.33.0-cp38-abi3-manylinux1_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, text in RELEASE.items():
+            archive.writestr(name, text)
+        archive.writestr("vllm/_C.abi3.so", b"\0" * 64)  # a binary: found, its bytes not extracted
+    root = tmp_path / "book"
+    (root / "notebooks").mkdir(parents=True)
+    (root / "book").mkdir()
+    (root / "book" / "page.md").write_text("`BlockPool` (`vllm/v1/core/block_pool.py`), `vllm/_C.abi3.so`, "
+                                           "`Gone` (`vllm/v1/core/block_pool.py`)\n")
+    status = vllm_cites.main(["--wheel", str(wheel), "--cache", str(tmp_path / "cache"), "--root", str(root)])
+    out = capsys.readouterr().out
+    assert status == 1 and out.splitlines()[0] == "book/page.md: Gone is not defined in vllm/v1/core/block_pool.py"
+    extracted = tmp_path / "cache" / wheel.stem / "vllm"
+    assert (extracted / "v1" / "core" / "block_pool.py").read_text() == RELEASE["vllm/v1/core/block_pool.py"]
+    assert (extracted / "_C.abi3.so").stat().st_size == 0

@@ -141,13 +141,19 @@ def problems(citations_found: list[Citation], source_root: Path, ours: set[str] 
 
 
 def source_from_wheel(wheel: Path, into: Path) -> Path:
-    """The wheel's vllm/ tree (Python files and folders) extracted once into `into`."""
+    """The wheel's vllm/ tree extracted once into `into`: its text files whole, every other file (compiled
+    extensions, some hundreds of MB) as an empty stand-in, so that a cite of it is found without the bytes."""
     marker = into / ".complete"
     if not marker.exists():
         with zipfile.ZipFile(wheel) as archive:
             for member in archive.namelist():
-                if member.startswith("vllm/") and member.endswith((".py", ".pyi", ".json", ".txt")):
+                if not member.startswith("vllm/") or member.endswith("/"):
+                    continue
+                if member.endswith((".py", ".pyi", ".json", ".txt")):
                     archive.extract(member, into)
+                else:
+                    (into / member).parent.mkdir(parents=True, exist_ok=True)
+                    (into / member).touch()
         marker.write_text(wheel.name)
     return into
 

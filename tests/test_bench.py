@@ -43,7 +43,7 @@ def test_overhead_measures_decode_steps_apart_from_the_model(tmp_path):
     import torch
 
     from minivllm.tools.bench_overhead import DECODE_STEPS, OVERHEAD_SHAPE, measure
-    from minivllm.tools.gpu_model_check import save_random_checkpoint
+    from minivllm.tools.bench_baselines import save_random_checkpoint
 
     save_random_checkpoint(tmp_path, {**OVERHEAD_SHAPE, "num_hidden_layers": 1}, torch.float32)
     row = measure(str(tmp_path), context=20, batch=3)

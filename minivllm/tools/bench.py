@@ -354,7 +354,8 @@ def main(argv=None) -> int:
             parser.error("--threads must be >= 1")
         torch.set_num_threads(args.threads)
     if args.command in ("compare", "spec", "serve", "overhead"):
-        result = {"compare": compare, "spec": spec, "serve": serve, "overhead": overhead}[args.command](args)
+        result = {"compare": compare, "spec": spec, "serve": serve,
+                  "overhead": lambda args: {"machine": machine(), **overhead(args)}}[args.command](args)
     else:
         prompts = workload(args.num_prompts, args.min_prompt, args.max_prompt, args.seed)
         with tempfile.TemporaryDirectory() as folder:

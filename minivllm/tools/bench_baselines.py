@@ -1,13 +1,26 @@
 """The baselines of `make bench` and `make gpu-check`: transformers' `generate` in static padded batches and its
-`generate_batch` (continuous batching with a paged cache), on the same requests as the engine, greedy. Plain
-module, split from tools/bench.py.
+`generate_batch` (continuous batching with a paged cache), on the same requests as the engine, greedy; and the
+random-init checkpoints they run on. Plain module, split from tools/bench.py.
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
+
+
+def save_random_checkpoint(folder: Path, shape: dict, dtype: torch.dtype, seed: int = 0) -> int:
+    """A random-init Qwen3 of `shape`, saved by transformers' save_pretrained (no tokenizer: prompts are token
+    ids); returns its parameter count."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(tie_word_embeddings=True, eos_token_id=0, pad_token_id=0, dtype=dtype, **shape)
+    model = Qwen3ForCausalLM(config).to(dtype)
+    model.save_pretrained(folder)
+    return sum(p.numel() for p in model.parameters())
 
 
 def run_hf_static(model_dir, prompts, output_lens, batch_size: int, dtype=torch.float32, device="cpu") -> dict:

@@ -75,8 +75,7 @@ def measure(folder: str, context: int, batch: int, seed: int = 0) -> dict:
 
 
 def overhead(args) -> dict:
-    from minivllm.tools.bench import machine
-    from minivllm.tools.gpu_model_check import save_random_checkpoint
+    from minivllm.tools.bench_baselines import save_random_checkpoint
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as folder:
@@ -90,5 +89,5 @@ def overhead(args) -> dict:
     growth = {f"batch {b}": next(r["engine_ms_per_step"] for r in rows if (r["batch"], r["context"]) == (b, CONTEXTS[1]))
               / next(r["engine_ms_per_step"] for r in rows if (r["batch"], r["context"]) == (b, CONTEXTS[0]))
               for b in BATCHES}
-    return {"machine": machine(), "shape": OVERHEAD_SHAPE, "decode_steps": DECODE_STEPS, "rows": rows,
+    return {"shape": OVERHEAD_SHAPE, "decode_steps": DECODE_STEPS, "rows": rows,
             f"engine_time_ratio_{CONTEXTS[1]}_to_{CONTEXTS[0]}": growth}

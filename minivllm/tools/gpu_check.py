@@ -40,6 +40,7 @@ import torch
 
 # chapter 8 draws the figures through this module's names
 from minivllm.tools.gpu_plots import plot_block_size_and_splits, plot_decode, plot_prefill, write  # noqa: F401
+from minivllm.tools.gpu_model_check import time_ms
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: minivllm/tools/gpu_check.py -> .
 RESULTS = ROOT / "bench" / "gpu"
@@ -95,22 +96,6 @@ class Sizes:
 
 
 # ------------------------------------------------------------------ measuring
-
-
-def time_ms(fn, device: torch.device) -> float:
-    """Median milliseconds of fn(): triton's do_bench on a GPU (it flushes the L2 cache between runs, so
-    nothing is served from cache that a real step would read from memory), a few plain runs on a CPU."""
-    if device.type == "cuda":
-        from triton.testing import do_bench
-
-        return do_bench(fn, warmup=25, rep=100, return_mode="median")
-    fn()
-    runs = []
-    for _ in range(3):
-        start = time.perf_counter()
-        fn()
-        runs.append(time.perf_counter() - start)
-    return 1000 * sorted(runs)[1]
 
 
 def copy_bandwidth(num_bytes: int, device: torch.device) -> float:

@@ -24,18 +24,6 @@ TOY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num
 ACCEPTANCE_RATES = (0.5, 0.7, 0.9)
 
 
-def save_random_checkpoint(folder: Path, shape: dict, dtype: torch.dtype, seed: int = 0) -> int:
-    """A random-init Qwen3 of `shape`, saved by transformers' save_pretrained (no tokenizer: prompts are token
-    ids); returns its parameter count."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen3Config(tie_word_embeddings=True, eos_token_id=0, pad_token_id=0, dtype=dtype, **shape)
-    model = Qwen3ForCausalLM(config).to(dtype)
-    model.save_pretrained(folder)
-    return sum(p.numel() for p in model.parameters())
-
-
 def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
     """How far greedy outputs agree: sequences identical, and the tokens before each first divergence."""
     prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y))) for x, y in zip(ours, theirs)]
@@ -75,6 +63,8 @@ def engine_check(sizes, device: torch.device, backend: str) -> dict:
     result = {"shape": shape, "num_prompts": num_prompts, "prompt_lens": list(prompt_lens), "output_len": output_len,
               "dtype": str(sizes.dtype).removeprefix("torch.")}
     engine_args = dict(device=device, attention_backend=backend, max_num_seqs=sizes.max_num_seqs)
+    from minivllm.tools.bench_baselines import save_random_checkpoint
+
     with tempfile.TemporaryDirectory(prefix="gpu-check-model-") as folder:
         dtypes = {"float32": torch.float32} | ({} if sizes.dtype == torch.float32 else {"run_dtype": sizes.dtype})
         for name, dtype in dtypes.items():  # the last one saved is the run's dtype, which the throughput uses
@@ -95,10 +85,25 @@ def engine_check(sizes, device: torch.device, backend: str) -> dict:
     return result
 
 
+def time_ms(fn, device: torch.device) -> float:
+    """Median milliseconds of fn(): triton's do_bench on a GPU (it flushes the L2 cache between runs, so
+    nothing is served from cache that a real step would read from memory), a few plain runs on a CPU."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=25, rep=100, return_mode="median")
+    fn()
+    runs = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - start)
+    return 1000 * sorted(runs)[1]
+
+
 def forward_ms(model, num_tokens: int, device: torch.device) -> float:
     """Milliseconds of one forward pass over `num_tokens` new tokens of one sequence (batch 1)."""
     from minivllm.attention.base import NoCacheAttention
-    from minivllm.tools.gpu_check import time_ms
 
     ids = [1 + i % 7 for i in range(num_tokens)]
     inputs = NoCacheAttention.for_sequences([ids], device=device)

@@ -49,3 +49,16 @@ def test_file_without_a_loader_is_refused_naming_its_suffix(tmp_path, monkeypatc
     (tmp_path / "weights.bin").write_bytes(b"\0" * 8)
     with pytest.raises(ValueError, match=r"no loader for '\.bin' files"):
         loader.load_model(tmp_path / "weights.bin", device="cpu")
+
+
+@pytest.mark.parametrize("field, value", [("presence_penalty", 0.5), ("frequency_penalty", -0.2),
+                                          ("repetition_penalty", 1.3), ("min_tokens", 4)])
+def test_the_books_one_request_generators_refuse_what_they_cannot_apply(field, value):
+    from minivllm.book.contiguous_cache import generate_cached
+    from minivllm.book.recompute import generate_recompute
+
+    model, _ = loader.load_model(device="cpu")
+    params = SamplingParams(temperature=0, max_tokens=4, **{field: value})
+    for generate in (generate_recompute, generate_cached):
+        with pytest.raises(ValueError, match=f"{field} = {value!r}"):
+            generate(model, [1, 2, 3], params)

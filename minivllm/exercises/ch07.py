@@ -142,8 +142,8 @@ def _computed_blocks():
     with_tail = [shared + tail for tail in others]
     return [
         ("an evicted block in the middle ends the hit", evicted_in_the_middle),
-        ("a shared 41-token prefix, five tails", case(with_tail, 200, 2)),
         ("identical block-aligned prompts: the last block is recomputed", case([shared[:40]] * 3, 200, 1)),
+        ("a shared 41-token prefix, five tails", case(with_tail, 200, 2)),
         ("a tail that differs inside block 2", case([shared, shared[:9] + others[0] + shared[18:]], 200, 1)),
         ("a tight cache: 24 blocks of 4, one request at a time, LRU eviction",
          case([shared + others[0], others[1] + shared, shared + others[2], others[3] * 4, shared[:30]], 24, 1)),

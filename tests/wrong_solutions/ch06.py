@@ -108,11 +108,17 @@ def _scheduler(waiting_first=False, preempt_oldest=False, admit_after_preemption
     return schedule
 
 
-schedule_waiting_first = _scheduler(waiting_first=True)
-schedule_preempts_oldest = _scheduler(preempt_oldest=True)
-schedule_admits_after_preemption = _scheduler(admit_after_preemption=True, whole_prompt_gate=False)
-schedule_admits_by_chunk = _scheduler(whole_prompt_gate=False)  # chapter 6's policy before vLLM 0.33
-schedule_as_the_engine = _scheduler()  # not wrong: the control
+def _named(schedule, name):
+    schedule.__name__ = schedule.__qualname__ = name
+    return schedule
+
+
+schedule_waiting_first = _named(_scheduler(waiting_first=True), "schedule_waiting_first")
+schedule_preempts_oldest = _named(_scheduler(preempt_oldest=True), "schedule_preempts_oldest")
+schedule_admits_after_preemption = _named(_scheduler(admit_after_preemption=True, whole_prompt_gate=False),
+                                          "schedule_admits_after_preemption")
+schedule_admits_by_chunk = _named(_scheduler(whole_prompt_gate=False),  # chapter 6's policy before vLLM 0.33
+                                  "schedule_admits_by_chunk")
 
 WRONG = {
     "06.plan": [plan_waiting_first, plan_seats_ignore_running, plan_no_chunking],

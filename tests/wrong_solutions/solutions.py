@@ -1,8 +1,10 @@
 """The answer to an exercise, taken from the cell of notebooks/solutions/ that checks it: the notebook's exercise
-cells up to that one run in a fresh namespace, each without its check(...) lines."""
+cells up to that one run in a fresh namespace, each without its check(...) lines, with the cells before it that
+only define things (imports, functions, classes: helpers an answer calls). Cells that compute run no more."""
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from pathlib import Path
@@ -15,7 +17,16 @@ def _exercise_cells(chapter: str) -> list[str]:
     [path] = SOLUTIONS.glob(f"{chapter}_*.ipynb")
     cells = json.loads(path.read_text())["cells"]
     sources = ["".join(cell["source"]) for cell in cells if cell["cell_type"] == "code"]
-    return [source for source in sources if CHECK_CALL.search(source)]
+    return [source for source in sources if CHECK_CALL.search(source) or _only_defines(source)]
+
+
+def _only_defines(source: str) -> bool:
+    try:
+        body = ast.parse(source).body
+    except SyntaxError:
+        return False
+    return bool(body) and all(isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef))
+                              for node in body)
 
 
 def solution(name: str):

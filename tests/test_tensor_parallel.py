@@ -197,7 +197,7 @@ def test_a_worker_that_fails_to_load_is_named_with_its_traceback(monkeypatch):
 
     def no_shard(*args, **kwargs):
         raise FileNotFoundError("model-00002-of-00002.safetensors is missing")
-    monkeypatch.setattr("minivllm.distributed.executor.load_model", no_shard)
+    monkeypatch.setattr("minivllm.distributed.executor.load_shard", no_shard)
     with pytest.raises(RuntimeError, match=r"rank 1 failed to start:(.|\n)*FileNotFoundError: model-00002"):
         LLM(device="cpu", num_kv_blocks=16, tensor_parallel_size=2)
 
@@ -209,6 +209,62 @@ def test_a_worker_that_dies_without_a_traceback_is_explained_by_its_last_stderr_
     def vanish(*args, **kwargs):
         os.write(2, b"out of shared memory, giving up\n")
         os._exit(3)
-    monkeypatch.setattr("minivllm.distributed.executor.load_model", vanish)
+    monkeypatch.setattr("minivllm.distributed.executor.load_shard", vanish)
     with pytest.raises(RuntimeError, match=r"rank 1 died \(exit code 3\):\nout of shared memory, giving up"):
         LLM(device="cpu", num_kv_blocks=16, tensor_parallel_size=2)
+
+
+def test_a_rank_reads_only_its_shard_of_the_checkpoint(tmp_path, monkeypatch):
+    """load_shard equals slicing the whole model (parameters and rotary tables, a checkpoint with biases
+    everywhere), and the elements it reads from the files are the shard's, not the model's."""
+    import safetensors
+
+    from minivllm.distributed.shard import load_shard, shard_model
+    from minivllm.model.loader import load_model
+
+    save_random_checkpoint(tmp_path, "llama-biases-llama3-rope")
+    read_elements = []
+
+    class CountingSlice:
+        def __init__(self, stored):
+            self.stored = stored
+
+        def get_shape(self):
+            return self.stored.get_shape()
+
+        def __getitem__(self, index):
+            tensor = self.stored[index]
+            read_elements.append(tensor.numel())
+            return tensor
+
+    class CountingFile:
+        def __init__(self, *args, **kwargs):
+            self.file = safetensors.safe_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.inner = self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_slice(self, name):
+            return CountingSlice(self.inner.get_slice(name))
+
+        def get_tensor(self, name):
+            raise AssertionError(f"{name} read whole")
+    monkeypatch.setattr("minivllm.distributed.shard.safe_open", CountingFile)
+    whole = load_model(str(tmp_path), device="cpu")[0]
+    whole_elements = sum(p.numel() for p in whole.parameters())
+    for rank in range(2):
+        read_elements.clear()
+        got = load_shard(str(tmp_path), None, torch.device("cpu"), rank, 2)
+        expected = shard_model(load_model(str(tmp_path), device="cpu")[0], rank, 2)
+        assert got.state_dict().keys() == expected.state_dict().keys() and got.config == expected.config
+        assert all(torch.equal(got.state_dict()[k], v) for k, v in expected.state_dict().items())
+        assert torch.equal(got.model.rotary_emb.cos, expected.model.rotary_emb.cos)
+        held = sum(p.numel() for p in got.parameters())
+        assert sum(read_elements) == held < 0.75 * whole_elements

@@ -47,7 +47,7 @@ class TensorParallelModelRunner(ModelRunner):
 
 class TensorParallelEngine(LLMEngine):
     """LLMEngine over tensor_parallel_size processes: this one is rank 0 (scheduler, sampler, its shard), the
-    others are worker processes that load the same checkpoint and keep their shards."""
+    others are worker processes that read their shards of the same checkpoint."""
 
     runner_class = TensorParallelModelRunner
     timeout_s = 60.0  # a collective gives up after this long

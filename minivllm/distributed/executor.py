@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from minivllm.attention.paged import PagedKVCache
 from minivllm.distributed.checks import check_main_guard, requested_start_method
 from minivllm.distributed.parallel_state import destroy_tensor_parallel, free_port, init_tensor_parallel
-from minivllm.distributed.shard import shard_model
+from minivllm.distributed.shard import load_shard
 from minivllm.distributed.worker_plumbing import (
     how_it_ended,
     log_tail,
@@ -23,7 +23,6 @@ from minivllm.distributed.worker_plumbing import (
     remove_logs,
     stderr_to,
 )
-from minivllm.model.loader import load_model
 
 
 def batch_message(input_ids, positions, metadata, copies) -> dict:
@@ -47,13 +46,13 @@ def run_batch(lm, kv_cache: PagedKVCache, backend, batch: dict) -> torch.Tensor:
 
 def worker_main(rank: int, world_size: int, port: int, load_args: tuple, backend, cache_shape: tuple,
                 inbox, outbox, timeout_s: float, num_threads: int) -> None:
-    """A worker process (rank >= 1): load the checkpoint, keep its shard, join the group, then run every step
+    """A worker process (rank >= 1): read its shard of the checkpoint, join the group, then run every step
     the driver sends until told to stop, or until the driver is gone."""
     try:
         torch.set_num_threads(num_threads)
         model, dtype, device_type = load_args
         device = torch.device(f"cuda:{rank}" if device_type == "cuda" else "cpu")
-        lm = shard_model(load_model(model, dtype=dtype, device=device)[0], rank, world_size)
+        lm = load_shard(model, dtype, device, rank, world_size)  # its shard only
         kv_cache = PagedKVCache.for_model(lm, *cache_shape)
         outbox.put(("ready", rank, None))
         init_tensor_parallel(rank, world_size, port, device, timeout_s)

@@ -124,7 +124,7 @@ def format_table(graded: list[dict]) -> str:
     header = "notebook".ljust(width) + "  " + "  ".join(names) + "  score"
     rows = [header]
     for g in graded:
-        marks = ["✓" if g["exercises"][n]["passed"] else "✗" if n in g["exercises"] else " " for n in names]
+        marks = [" " if n not in g["exercises"] else "✓" if g["exercises"][n]["passed"] else "✗" for n in names]
         cells = "  ".join(mark.center(len(n)) for mark, n in zip(marks, names))
         rows.append(f"{g['path'].ljust(width)}  {cells}  {g['passed']}/{g['total']}"
                     + (f"  ({g['error']})" if g["error"] else ""))

@@ -65,6 +65,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minivllm.engine.async_llm import AsyncLLM
+from minivllm.entrypoints.chat import render_chat_template
 from minivllm.entrypoints.openai.guards import GuardMiddleware, Limits, error_response, read_body, until_disconnect
 from minivllm.entrypoints.openai.metrics import ServerMetrics
 from minivllm.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
@@ -120,8 +121,12 @@ class OpenAIServing:
         return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
     def render_chat(self, messages, add_generation_prompt: bool = True) -> str:
+        """The messages through the chat template, as `LLM.chat` renders them (under its time limit)."""
         plain = [{"role": m.role, "content": m.text()} for m in messages]
-        return self.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt)
+        try:
+            return render_chat_template(self.tokenizer, plain, add_generation_prompt)
+        except ValueError as error:
+            raise APIError(400, str(error), "messages") from None
 
     # ------------------------------------------------------------------ the generation endpoints
     async def completions(self, raw: Request):

@@ -38,6 +38,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from minivllm.distributed.kv_events import AllBlocksCleared, event_from_json
 from minivllm.distributed.router import Router, check_policy
+from minivllm.entrypoints.chat import chat_token_ids
 from minivllm.entrypoints.openai.guards import GuardMiddleware, Limits, error_response, read_body, until_disconnect
 from minivllm.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest, error_body,
                                                   parse)
@@ -202,9 +203,11 @@ class RouterFront:
         if chat:
             if self.tokenizer is None or not self.tokenizer.chat_template:
                 return []
-            plain = [{"role": m.role, "content": m.text()} for m in request.messages]
-            text = self.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
-            token_ids = self.tokenizer(text, add_special_tokens=False).input_ids
+            try:  # as the replica renders it, under the same time limit; a failure is the replica's to report
+                token_ids = chat_token_ids(self.tokenizer, [{"role": m.role, "content": m.text()}
+                                                            for m in request.messages])
+            except ValueError:
+                return []
         elif isinstance(request.prompt, str):
             token_ids = None if self.tokenizer is None else self.tokenizer(request.prompt).input_ids
         else:

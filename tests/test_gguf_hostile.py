@@ -89,9 +89,10 @@ RAW = {  # name: (bytes, the field the refusal names)
 MODEL = {  # name: (tiny_llama's arguments, the field the refusal names)
     "70b-metadata-no-tensors": (dict(tensors={}, block_count=80, embedding_length=8192, feed_forward_length=28672,
                                      **{"attention.head_count": 64, "attention.head_count_kv": 8,
-                                        "attention.key_length": 128, "vocab_size": 128256}), "llama.block_count"),
+                                        "attention.key_length": 128, "vocab_size": 128256}),
+                                "llama.block_count: 80 layers, in a file of 0 tensors"),
     "head-count-0": (dict(**{"attention.head_count": 0}), "llama.attention.head_count: 0"),
-    "heads-not-divisible": (dict(**{"attention.head_count_kv": 3}), "llama.block_count"),
+    "heads-not-divisible": (dict(**{"attention.head_count_kv": 3}), "llama.attention.head_count_kv: 3 does not divide"),
     "eps-nan": (dict(**{"attention.layer_norm_rms_epsilon": float("nan")}), "llama.attention.layer_norm_rms_epsilon"),
     "eps-inf": (dict(**{"attention.layer_norm_rms_epsilon": float("inf")}), "llama.attention.layer_norm_rms_epsilon"),
     "eps-negative": (dict(**{"attention.layer_norm_rms_epsilon": -1.0}), "llama.attention.layer_norm_rms_epsilon"),

@@ -40,9 +40,10 @@ def gguf_hf_config(layout: GGUFLayout, max_model_len: int | None = None) -> dict
         raise refuse(path, f"{arch}.rope.scaling.type", f"{meta[f'{arch}.rope.scaling.type']!r} is not supported")
     hidden, heads, layers = number("embedding_length"), number("attention.head_count"), number("block_count")
     kv_heads = number("attention.head_count_kv", default=heads)
-    if heads % kv_heads or 9 * layers > len(layout.tensors):  # a layer has at least 9 tensors
-        raise refuse(path, f"{arch}.block_count", f"{layers} layers of {heads} heads sharing {kv_heads} kv heads, "
-                                                 f"in a file of {len(layout.tensors)} tensors")
+    if heads % kv_heads:
+        raise refuse(path, f"{arch}.attention.head_count_kv", f"{kv_heads} does not divide {heads} query heads")
+    if 9 * layers > len(layout.tensors):  # a layer has at least 9 tensors: nothing is built from a bare header
+        raise refuse(path, f"{arch}.block_count", f"{layers} layers, in a file of {len(layout.tensors)} tensors")
     context = number("context_length")
     if max_model_len is not None and not 2 <= max_model_len <= context:
         raise refuse(path, "max_model_len", f"{max_model_len}: must be from 2 to the file's context_length {context}")

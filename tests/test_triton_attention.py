@@ -265,20 +265,6 @@ def test_gpu_check_refuses_clearly_without_cuda(capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
-def test_gpu_check_smoke_run_writes_results_and_figures(tmp_path):
-    from minivllm.tools import gpu_check
-
-    assert gpu_check.main(["--smoke", "--out", str(tmp_path)]) == 0
-    [results_file] = tmp_path.glob("*.json")
-    results = json.loads(results_file.read_text())
-    assert results["smoke"] and results["date"] in results_file.name
-    assert len(results["decode"]) == 4 and all(r["kernel_gbs"] > 0 for r in results["decode"])
-    assert all(r["kernel_tflops"] > 0 for r in results["prefill"])
-    figures = sorted(p.name.removeprefix(results_file.stem) for p in tmp_path.glob("*.png"))
-    assert figures == ["_block_size_splits.png", "_decode.png", "_prefill.png"]
-    assert gpu_check.latest_results(tmp_path) is None  # a smoke run never stands in for measurements
-
-
 def test_the_engine_runs_on_chapter_8s_triton_backend(checkpoints):
     from minivllm import LLM
     from minivllm.sampling_params import SamplingParams

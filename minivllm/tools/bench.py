@@ -101,6 +101,7 @@ def output_lengths(num_prompts: int, min_output: int, max_output: int, seed: int
 def chat_workload(tokenizer, num_prompts: int, seed: int = 0) -> list[list[int]]:
     """Chat requests: a system prompt, one to three turns of Shakespeare's lines, the chat template applied."""
     from minivllm.book.texts import CORPUS
+    from minivllm.entrypoints.chat import chat_token_ids
 
     lines = [line for line in CORPUS.splitlines() if len(line) > 20]
     rng = random.Random(seed)
@@ -112,8 +113,7 @@ def chat_workload(tokenizer, num_prompts: int, seed: int = 0) -> list[list[int]]
             messages.append({"role": "user", "content": " ".join(lines[start:start + rng.randint(2, 8)])})
             if turn:
                 messages.insert(-1, {"role": "assistant", "content": lines[rng.randrange(len(lines))]})
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        prompts.append(tokenizer.encode(text, add_special_tokens=False))
+        prompts.append(chat_token_ids(tokenizer, messages))
     return prompts
 
 

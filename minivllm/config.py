@@ -113,3 +113,7 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     enable_chunked_prefill: bool = True
     seed: int = 0
+    scheduler_reserve_full_isl: bool = True  # vLLM 0.33's default: admit a request only if all its tokens fit
+    max_request_share: float = 0.5  # fairness: the share of max_num_seqs one user request's sequences may hold
+    long_prefill_token_threshold: int = 0  # vLLM's: the most tokens one prompt computes per step while others
+    # are queued; 0: no cap

@@ -14,6 +14,9 @@ own conversions hold, and keep one request from asking for unbounded work:
 | stop | None, or up to 32 non-empty strings of at most 1,024 characters |
 | stop_token_ids | None, or up to 1,024 integers in 0 .. 2**31 - 1 |
 | logprobs | None, or 0 .. 20 alternatives per token (vLLM's default --max-logprobs) |
+| presence_penalty, frequency_penalty | a number in [-2, 2] (vLLM's and OpenAI's range) |
+| repetition_penalty | a finite number > 0, at most 2**31 (1: off) |
+| min_tokens | 0 .. 2**31 - 1, and at most max_tokens |
 """
 
 import math
@@ -78,8 +81,18 @@ def check_sampling_params(p) -> None:
          f"None, or at most {MAX_STOP_TOKEN_IDS} integers in [0, 2**31)"),
         ("logprobs", p.logprobs, p.logprobs is None or (_integer(p.logprobs) and 0 <= p.logprobs <= MAX_LOGPROBS),
          f"None or an integer in [0, {MAX_LOGPROBS}]"),
+        ("presence_penalty", p.presence_penalty, _number(p.presence_penalty) and -2 <= p.presence_penalty <= 2,
+         "a number in [-2, 2]"),
+        ("frequency_penalty", p.frequency_penalty, _number(p.frequency_penalty) and -2 <= p.frequency_penalty <= 2,
+         "a number in [-2, 2]"),
+        ("repetition_penalty", p.repetition_penalty,
+         _number(p.repetition_penalty) and 0 < p.repetition_penalty <= MAX_INT32 + 1, "a finite number > 0, at most 2**31"),
+        ("min_tokens", p.min_tokens, _integer(p.min_tokens) and 0 <= p.min_tokens <= MAX_INT32,
+         "an integer in [0, 2**31)"),
     ] + [(name, getattr(p, name), isinstance(getattr(p, name), bool), "True or False")
          for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")]
     for name, value, ok, expected in checks:
         if not ok:
             raise ValueError(f"SamplingParams.{name} = {_show(value)}: must be {expected}")
+    if p.max_tokens is not None and p.min_tokens > p.max_tokens:
+        raise ValueError(f"SamplingParams.min_tokens = {p.min_tokens}: must be at most max_tokens = {p.max_tokens}")

@@ -248,3 +248,62 @@ def test_stop_token_ids_and_running_to_max_model_len(checkpoints):
     assert finished["open-ended"].outputs[0].finish_reason == "length"
     stopped = finished["stopped"].outputs[0]
     assert stopped.finish_reason == "stop" and stopped.token_ids == greedy[:greedy.index(greedy[5]) + 1]
+
+
+# ------------------------------------------------------------------ vLLM's sampling knobs, seeds, all-or-nothing
+
+
+def test_penalties_and_min_tokens_equal_transformers_generate(checkpoints):
+    folder, hf_model = checkpoints["qwen3-gqa2-tied"]
+    engine = LLMEngine(load(folder), None, EngineConfig(block_size=4, num_kv_blocks=64, max_num_batched_tokens=16))
+    prompts = prompts_of([7, 19])
+    with torch.no_grad():  # the stop tokens: what greedy would say first, so that min_tokens must hold them off
+        first = [int(hf_model(torch.tensor([p])).logits[0, -1].argmax()) for p in prompts]
+    cases = {"repetition": (SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, repetition_penalty=1.8),
+                            dict(repetition_penalty=1.8, min_new_tokens=20, max_new_tokens=20)),
+             "min_tokens": (SamplingParams(temperature=0, max_tokens=12, min_tokens=6, stop_token_ids=first),
+                            dict(min_new_tokens=6, max_new_tokens=12, eos_token_id=first))}
+    for name, (params, hf_kwargs) in cases.items():
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"{name}{i}", prompt, params)
+    finished = run(engine)
+    for name, (params, hf_kwargs) in cases.items():
+        for i, prompt in enumerate(prompts):
+            with torch.no_grad():
+                out = hf_model.generate(torch.tensor([prompt]), do_sample=False, pad_token_id=0, **hf_kwargs)
+            expected = out[0, len(prompt):].tolist()
+            assert finished[f"{name}{i}"].outputs[0].token_ids == expected, f"{name}, prompt {i}"
+    for i in range(2):  # without min_tokens each would stop at its first token
+        assert len(finished[f"min_tokens{i}"].outputs[0].token_ids) >= 6
+    assert engine.kv_manager.pool.num_free == 64
+
+
+def test_the_largest_seed_works_for_every_sample(checkpoints):
+    folder, _ = checkpoints["qwen3-gqa2-tied"]
+    engine = LLMEngine(load(folder), None, EngineConfig(num_kv_blocks=64))
+    params = SamplingParams(n=3, temperature=1.0, seed=2**63 - 1, max_tokens=8, ignore_eos=True)
+    engine.add_request("a", [5, 6, 7], params)
+    engine.add_request("b", [5, 6, 7], params)
+    finished = run(engine)
+    seeds = [c.params.seed for c in engine.output_processor.parents["a"]]
+    assert seeds == [2**63 - 1, 0, 1]  # seed + index, modulo 2**63: all valid, all different
+    assert [c.token_ids for c in finished["a"].outputs] == [c.token_ids for c in finished["b"].outputs]
+
+
+def test_generate_takes_back_every_request_when_an_add_fails(llm, monkeypatch):
+    original, calls = llm.engine.add_request, []
+
+    def fails_on_the_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("refused")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine, "add_request", fails_on_the_third)
+    with pytest.raises(RuntimeError, match="refused"):
+        llm.generate(["ROMEO:", "JULIET:", "KING:"], SamplingParams(max_tokens=4), use_tqdm=False)
+    monkeypatch.undo()
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.output_processor.parents
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+    [output] = llm.generate(["HAMLET:"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert output.request_id in {str(i) for i in range(100)} and len(output.outputs[0].token_ids) == 4

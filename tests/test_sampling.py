@@ -101,3 +101,108 @@ def test_top_p_counts_what_min_p_left_as_vllm_does():
     probs = sampling_probs(logits, SamplingParams(temperature=1.0, min_p=0.2, top_p=0.82))
     # min_p drops 0.05; renormalised, 0.5 and 0.3 already hold 0.84 >= 0.82, so 0.15 goes too
     assert (probs > 0).tolist() == [True, True, False, False]
+
+
+# ------------------------------------------------------------------ the batched sampler's penalties and min_tokens
+
+from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor
+
+from minivllm.core.request import MinTokensStopChecker, Request
+from minivllm.engine.sampler import Sampler, batched_sampling_probs, processed_logits
+
+
+def request_with(prompt, output, **params):
+    p = SamplingParams(temperature=0, max_tokens=64, **params)
+    request = Request("r", list(prompt), p, MinTokensStopChecker(p))
+    for token in output:
+        request.append_output_token_id(token)
+    return request
+
+
+def batch_logits(rows, vocab=40, seed=0):
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_repetition_penalty_equals_transformers_processor():
+    prompts, outputs = [[1, 5, 5, 9], [2, 3], [7]], [[5, 11, 30], [], [7, 7, 8]]
+    penalties = [1.3, 0.7, 1.0]
+    requests = [request_with(p, o, repetition_penalty=r) for p, o, r in zip(prompts, outputs, penalties)]
+    logits = batch_logits(3)
+    ours = processed_logits(logits, requests)
+    for i, (prompt, output, penalty) in enumerate(zip(prompts, outputs, penalties)):
+        theirs = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([prompt + output]), logits[i:i + 1].clone())
+        torch.testing.assert_close(ours[i], theirs[0])
+    assert not torch.equal(ours[0], logits[0])  # it did something
+
+
+def test_frequency_and_presence_penalties_follow_openais_definition():
+    requests = [request_with([4, 4, 6], [6, 6, 9, 2], frequency_penalty=0.5, presence_penalty=1.25),
+                request_with([1], [3, 3], presence_penalty=-2.0)]
+    logits = batch_logits(2)
+    ours = processed_logits(logits, requests)
+    expected = logits.clone()
+    for i, r in enumerate(requests):  # mu[j] - c[j] * frequency - (c[j] > 0) * presence, output tokens only
+        for token in set(r.output_token_ids):
+            count = r.output_token_ids.count(token)
+            expected[i, token] -= count * r.params.frequency_penalty + r.params.presence_penalty
+    torch.testing.assert_close(ours, expected)
+    assert ours[0, 4] == logits[0, 4]  # a prompt token is not penalised by them
+
+
+def test_penalty_counts_follow_new_tokens_without_recounting():
+    request = request_with([1, 2], [3], frequency_penalty=1.0)
+    logits = batch_logits(1)
+    processed_logits(logits, [request])
+    counts_before = request.penalty_state[1]
+    request.append_output_token_id(3)
+    request.append_output_token_id(5)
+    ours = processed_logits(logits, [request])
+    assert request.penalty_state[1] is counts_before and request.penalty_state[2] == 3  # updated in place
+    assert ours[0, 3] == logits[0, 3] - 2 and ours[0, 5] == logits[0, 5] - 1
+
+
+def test_min_tokens_masks_stop_tokens_as_transformers_processor():
+    stops = [4, 9]
+    requests = [request_with([1, 2], [3] * n, min_tokens=3, stop_token_ids=stops) for n in (0, 2, 3)]
+    logits = batch_logits(3)
+    ours = processed_logits(logits, requests)
+    for i, r in enumerate(requests):
+        processor = MinNewTokensLengthLogitsProcessor(2, 3, stops)
+        theirs = processor(torch.tensor([r.all_token_ids]), logits[i:i + 1].clone())
+        torch.testing.assert_close(ours[i], theirs[0])
+    assert ours[0, 4] == float("-inf") and ours[2, 4] == logits[2, 4]
+
+
+def test_min_tokens_stop_rule_waits_for_the_stop_string_after_min_tokens():
+    class Letters:  # a tokenizer of one character per token
+        eos_token_id = 0
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(96 + i) for i in ids)
+
+    params = SamplingParams(max_tokens=10, min_tokens=3, stop="ab")
+    checker = MinTokensStopChecker(params, Letters())
+    ids = []
+    reasons = []
+    for token in [1, 2, 3, 1, 2]:  # "abcab": the first "ab" lies within the first 3 tokens, the second after
+        ids.append(token)
+        reasons.append(checker.finish_reason(ids))
+    assert reasons == [None, None, None, None, "stop"] and checker.text(ids) == "abc"
+
+
+def test_greedy_rows_use_the_penalised_logits_and_logprobs_the_raw_ones():
+    request = request_with([1], [], repetition_penalty=2.0)
+    logits = torch.full((1, 10), -1.0)
+    logits[0, 1], logits[0, 2] = 4.0, 2.5  # token 1, in the prompt, drops to 2.0: token 2 wins
+    tokens = Sampler()(logits, [request], torch.Generator())
+    assert tokens == [2]
+    entry = Sampler.logprobs(logits, [request_with([1], [], repetition_penalty=2.0, logprobs=1)], tokens)
+    [(logprob, [(best, _)])] = next(iter(entry.values()))
+    assert best == 1 and abs(logprob - logits[0].log_softmax(-1)[2].item()) < 1e-6
+
+
+def test_a_top_p_below_float32s_smallest_number_keeps_the_best_token():
+    logits = batch_logits(2)
+    probs = batched_sampling_probs(logits, [SamplingParams(top_p=1e-46), SamplingParams(top_p=1e-30)])
+    assert ((probs > 0).sum(-1) == 1).all()
+    assert (probs.argmax(-1) == logits.argmax(-1)).all()  # the race draws it every time: the rest are 0

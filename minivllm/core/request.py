@@ -25,7 +25,7 @@ class Request:
     prompt: str | None = None
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
-    output_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)  # grows only through append_output_token_id
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache when first scheduled
     block_hashes: list[bytes] = field(default_factory=list)  # chapter 7: the hash chain of its full blocks
@@ -33,22 +33,50 @@ class Request:
     draft_probs: torch.Tensor | None = None  # chapter 9: the distributions the drafts were drawn from
     num_draft_computed_tokens: int = 0  # chapter 9: its tokens in the draft model's cache
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)  # if params.logprobs
+    penalty_state: tuple | None = None  # the sampler's token counts, if it uses penalties (see the sampler)
     status: str = "waiting"  # waiting, running, finished
     finish_reason: str | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    _all_token_ids: list[int] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self._all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt and output, one list kept up to date token by token (read-only to callers)."""
+        return self._all_token_ids
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self._all_token_ids)
+
+    def append_output_token_id(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
 
     def drop_cache_state(self) -> None:
         """Its blocks are gone (preempted or finished): so are the computed tokens, and the drafts built on them."""
         self.num_computed_tokens = 0
         self.spec_token_ids, self.draft_probs, self.num_draft_computed_tokens = [], None, 0
+
+
+class MinTokensStopChecker(StopChecker):
+    """Chapter 2's StopChecker, with SamplingParams.min_tokens: no stop token or stop string ends a sequence
+    within its first min_tokens tokens."""
+
+    def finish_reason(self, output_ids: list[int]) -> str | None:
+        if len(output_ids) > self.params.min_tokens:
+            return super().finish_reason(output_ids)
+        if self.detokenizer is not None:
+            self.detokenizer.update(output_ids)
+            self.searched = len(self.detokenizer.text)  # stop strings are looked for only after this text
+        last = output_ids[-1]
+        if last == self.eos_token_id or last in self.params.stop_token_ids:
+            return "stop"  # only if it was sampled without the mask (a caller's own sampler)
+        if self.max_new_tokens is not None and len(output_ids) >= self.max_new_tokens:
+            return "length"
+        return None

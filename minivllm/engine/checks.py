@@ -11,7 +11,14 @@ def check_engine_config(model, config) -> int:
     checks = [("max_model_len", max_model_len, 2 <= max_model_len <= min(model.config.max_model_len, capacity),
                f"between 2 and min(the model's {model.config.max_model_len}, the KV cache's {capacity} slots)"),
               ("max_num_seqs", config.max_num_seqs, config.max_num_seqs >= 1, ">= 1"),
-              ("max_num_batched_tokens", config.max_num_batched_tokens, config.max_num_batched_tokens >= 1, ">= 1")]
+              ("max_num_batched_tokens", config.max_num_batched_tokens, config.max_num_batched_tokens >= 1, ">= 1"),
+              ("max_request_share", config.max_request_share,
+               isinstance(config.max_request_share, (int, float)) and 0 < config.max_request_share <= 1, "in (0, 1]"),
+              ("long_prefill_token_threshold", config.long_prefill_token_threshold,
+               isinstance(config.long_prefill_token_threshold, int) and config.long_prefill_token_threshold >= 0,
+               "an integer >= 0 (0: no cap)"),
+              ("scheduler_reserve_full_isl", config.scheduler_reserve_full_isl,
+               isinstance(config.scheduler_reserve_full_isl, bool), "True or False")]
     if not config.enable_chunked_prefill:
         checks.append(("max_num_batched_tokens", config.max_num_batched_tokens,
                        config.max_num_batched_tokens >= max_model_len,

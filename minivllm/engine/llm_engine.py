@@ -9,9 +9,8 @@ from minivllm.attention.paged import PagedAttention, PagedKVCache
 from minivllm.config import EngineConfig
 from minivllm.core.block_pool import BlockPool
 from minivllm.core.kv_cache_manager import KVCacheManager, PrefixCachingKVCacheManager
-from minivllm.core.request import Request
+from minivllm.core.request import MinTokensStopChecker, Request
 from minivllm.core.scheduler import Scheduler
-from minivllm.core.stop_checker import StopChecker
 from minivllm.engine.checks import check_engine_config, check_request
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.output_processor import OutputProcessor
@@ -41,7 +40,8 @@ class LLMEngine:
         else:
             self.kv_manager = KVCacheManager(BlockPool(config.num_kv_blocks), config.block_size)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill)
+                                   config.enable_chunked_prefill, config.scheduler_reserve_full_isl,
+                                   config.max_request_share, config.long_prefill_token_threshold)
         self.model_runner = self.runner_class(model, self.kv_cache, self.kv_manager, backend, config.seed)
         self.output_processor = OutputProcessor()
         self.device = model.lm_head.weight.device
@@ -56,13 +56,13 @@ class LLMEngine:
         room = self.config.max_model_len - len(prompt_token_ids)
         children = []
         for index in range(params.n):
-            # parallel sampling as in vLLM V1: n sequences, each with its own seed; chapter 7's prefix cache
-            # lets them share the prompt's blocks
-            child_params = replace(params, n=1, seed=None if params.seed is None else params.seed + index)
+            # parallel sampling as in vLLM V1: n sequences, seeds seed, seed + 1, ... (modulo 2**63, so that
+            # every one is a valid seed); chapter 7's prefix cache lets them share the prompt's blocks
+            child_params = replace(params, n=1, seed=None if params.seed is None else (params.seed + index) % 2**63)
             generator = None if child_params.seed is None else \
                 torch.Generator(self.device).manual_seed(child_params.seed)
             children.append(Request(f"{request_id}#{index}", list(prompt_token_ids), child_params,
-                                    StopChecker(child_params, self.tokenizer, max_new_tokens=room), generator,
+                                    MinTokensStopChecker(child_params, self.tokenizer, max_new_tokens=room), generator,
                                     parent_id=request_id, prompt=prompt, cache_salt=cache_salt))
         self.output_processor.add(request_id, children)  # only now, when nothing can fail any more
         for child in children:

@@ -56,8 +56,46 @@ def batched_sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -
     if (top_p < 1).any():
         sorted_probs, order = probs.sort(-1, descending=True)
         drop = (sorted_probs.cumsum(-1) - sorted_probs >= top_p) & (top_p < 1)
+        drop[:, 0] = False  # the most likely token always stays, however small top_p is
         probs = probs.scatter(1, order, sorted_probs.masked_fill(drop, 0.0))
     return probs
+
+
+def token_counts(request: Request, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which tokens are in the prompt, and how often each is in the output: kept on the request, and brought
+    up to date with only the tokens added since the last step."""
+    if request.penalty_state is None:
+        in_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
+        in_prompt[torch.tensor(request.prompt_token_ids, device=device)] = True
+        request.penalty_state = (in_prompt, torch.zeros(vocab, device=device), 0)
+    in_prompt, counts, counted = request.penalty_state
+    new = request.output_token_ids[counted:]
+    if new:
+        counts.index_add_(0, torch.tensor(new, device=device), torch.ones(len(new), device=device))
+        request.penalty_state = (in_prompt, counts, counted + len(new))
+    return in_prompt, counts
+
+
+def processed_logits(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """The logits sampling sees: min_tokens' mask, then the repetition, frequency and presence penalties.
+    Rows that ask for none are left alone, and so is the input tensor."""
+    short = [i for i, r in enumerate(requests) if len(r.output_token_ids) < r.params.min_tokens]
+    rows = [i for i, r in enumerate(requests) if r.params.repetition_penalty != 1
+            or r.params.frequency_penalty != 0 or r.params.presence_penalty != 0]
+    if not short and not rows:
+        return logits
+    logits = logits.float().clone()
+    for i in short:
+        stops = [t for t in (requests[i].stop_checker.eos_token_id, *requests[i].params.stop_token_ids) if t is not None]
+        logits[i, stops] = float("-inf")
+    if rows:
+        in_prompt, counts = map(torch.stack, zip(*[token_counts(requests[i], logits.shape[-1], logits.device)
+                                                  for i in rows]))
+        column = lambda name: torch.tensor([getattr(requests[i].params, name) for i in rows], device=logits.device)[:, None]
+        penalty, chosen = column("repetition_penalty"), logits[rows]
+        chosen = torch.where(in_prompt | (counts > 0), torch.where(chosen > 0, chosen / penalty, chosen * penalty), chosen)
+        logits[rows] = chosen - column("frequency_penalty") * counts - column("presence_penalty") * (counts > 0)
+    return logits
 
 
 class Sampler:
@@ -65,6 +103,7 @@ class Sampler:
     noise against their probabilities as `sample_token` does, each with its request's own random stream."""
 
     def __call__(self, logits: torch.Tensor, requests: list[Request], generator: torch.Generator) -> list[int]:
+        logits = processed_logits(logits, requests)  # penalties and min_tokens, on a copy
         tokens = logits.argmax(-1)
         rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if rows:

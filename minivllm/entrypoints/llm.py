@@ -25,7 +25,8 @@ class LLM:
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  attention_backend: str = "auto", device=None, dtype=None, seed: int = 0,
                  kv_cache_memory_bytes: int | None = None, speculative_config: dict | None = None,
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, scheduler_reserve_full_isl: bool = True,
+                 max_request_share: float = 0.5, long_prefill_token_threshold: int = 0):
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         backend = attention_backend_class(attention_backend, device)
         lm, self.tokenizer = load_model(model, dtype=dtype, device=device)
@@ -34,7 +35,8 @@ class LLM:
         if sized_here:
             num_kv_blocks = kv_blocks_for(lm, block_size, kv_cache_memory_bytes)
         config = EngineConfig(block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens, max_model_len,
-                              enable_prefix_caching, enable_chunked_prefill, seed)
+                              enable_prefix_caching, enable_chunked_prefill, seed, scheduler_reserve_full_isl,
+                              max_request_share, long_prefill_token_threshold)
         if tensor_parallel_size > 1:  # chapter 11: this process is rank 0, the other ranks are worker processes
             self.engine = TensorParallelEngine(lm, self.tokenizer, config, backend, tensor_parallel_size, (model, dtype))
         elif speculative_config is None:
@@ -42,12 +44,6 @@ class LLM:
         else:  # chapter 9; a draft model's cache comes out of the same memory budget, unless num_kv_blocks is given
             self.engine = SpecDecodeEngine(lm, self.tokenizer, config, backend, speculative_config,
                                            share_kv_budget=sized_here)
-
-    def get_tokenizer(self):
-        return self.tokenizer
-
-    def shutdown(self) -> None:  # chapter 11: stops a tensor-parallel engine's worker processes
-        getattr(self.engine, "shutdown", lambda: None)()
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -62,10 +58,11 @@ class LLM:
                 self.engine.validate(f"prompts[{i}]", ids, p)
             except ValueError as error:
                 raise ValueError(f"prompts[{i}]: {error}") from None
-        ids = [self.engine.add_request(None, tokens, p, text, salt) for (tokens, text, salt), p in zip(parsed, params)]
-        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
-        done = {}
-        try:
+        ids, done = [], {}
+        bar = tqdm(total=len(prompts), desc="generate", disable=not use_tqdm)
+        try:  # adding is inside too: if one add fails, the requests added before it are taken back
+            for (tokens, text, salt), p in zip(parsed, params):
+                ids.append(self.engine.add_request(None, tokens, p, text, salt))
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
                     if output.finished:
@@ -96,6 +93,12 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def shutdown(self) -> None:  # chapter 11: stops a tensor-parallel engine's worker processes
+        getattr(self.engine, "shutdown", lambda: None)()
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:

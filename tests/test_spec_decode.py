@@ -210,6 +210,23 @@ def test_bad_speculative_config_is_refused_naming_the_field(checkpoints, tmp_pat
         SpecDecodeEngine(model, None, config, _backend(), {"model": str(tmp_path), "num_speculative_tokens": 2})
 
 
+def test_penalties_and_min_tokens_are_refused_with_speculation(checkpoints):
+    """Verification samples from the raw logits, so chapter 6's penalties would be skipped: refused, and the
+    engine goes on serving."""
+    folder, _ = checkpoints["qwen3-gqa2-tied"]
+    engine = SpecDecodeEngine(load(folder), None, EngineConfig(num_kv_blocks=16), _backend(),
+                              {"method": "ngram", "num_speculative_tokens": 2})
+    for field, value in [("presence_penalty", 0.5), ("frequency_penalty", -0.5), ("repetition_penalty", 1.2),
+                         ("min_tokens", 2)]:
+        with pytest.raises(ValueError, match=f"SamplingParams.{field}: not available with speculative decoding"):
+            engine.add_request(field, [5, 6, 7], SamplingParams(max_tokens=4, **{field: value}))
+    engine.add_request("plain", [5, 6, 7], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(engine.output("plain").outputs[0].token_ids) == 4
+    assert engine.kv_manager.pool.num_free == 16
+
+
 def test_llm_api_with_the_embedded_draft_model():
     from minivllm import LLM
     from minivllm.book.texts import CORPUS

@@ -163,3 +163,7 @@ class SpecDecodeEngine(LLMEngine):
         super().validate(request_id, prompt_token_ids, params, cache_salt)
         if params.logprobs is not None:  # verification keeps tokens, not the distributions they were chosen from
             raise ValueError("SamplingParams.logprobs: not available with speculative decoding")
+        defaults = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_tokens": 0}
+        changed = [name for name, default in defaults.items() if getattr(params, name) != default]
+        if changed:  # verification samples from the raw logits: chapter 6's penalties would be skipped silently
+            raise ValueError(f"SamplingParams.{changed[0]}: not available with speculative decoding")

@@ -205,3 +205,28 @@ def usage(server) -> list[float]:
         text = httpx.get(url + "/metrics", timeout=TIMEOUT).text
         values += [float(t.split()[-1]) for t in text.splitlines() if t.startswith("minivllm:kv_cache_usage_perc")]
     return values
+
+
+def test_the_front_end_reads_a_gguf_files_tokenizer_without_its_weights():
+    """The front end only hashes prompts: for a GGUF model it reads the tokenizer from the metadata, as the
+    engine does, and never the tensors (SmolLM2-135M's file holds 94 MiB of weights, 540 MB once dequantized)."""
+    import subprocess
+    import sys
+
+    from minivllm.book.real_model import smollm2_gguf
+
+    script = ("import resource, sys\n"
+              "from minivllm.entrypoints.openai.dp_server import front_tokenizer\n"
+              "from minivllm.model.gguf_loader import gguf_tokenizer, read_gguf\n"
+              "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+              "tokenizer = front_tokenizer(sys.argv[1])\n"
+              "grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before\n"
+              "text = 'ROMEO: what light through yonder window breaks?'\n"
+              "same = tokenizer(text).input_ids == gguf_tokenizer(read_gguf(sys.argv[1]))(text).input_ids\n"
+              "print(grown // 1024, same, bool(tokenizer.chat_template))\n")
+    done = subprocess.run([sys.executable, "-c", script, str(smollm2_gguf())], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    grown_mib, same, has_template = done.stdout.split()
+    assert same == "True" and has_template == "True"
+    assert int(grown_mib) < 200, f"the front end's tokenizer grew the process by {grown_mib} MiB"

@@ -31,19 +31,17 @@ __all__ = ["MAX_REPLICAS", "DataParallelServer", "run_dp_server"]
 
 def front_tokenizer(model):
     """The replicas' tokenizer, never their weights: from a checkpoint folder's tokenizer files, or from a GGUF
-    file's metadata (transformers reads the tokenizer without the tensors). None where there is none."""
+    file's metadata, as the engine's GGUF loader reads it (without the tensors). None where there is none."""
     from pathlib import Path
 
     from transformers import AutoTokenizer
 
     from minivllm.model.loader import TOKENIZER_FILES, resolve_model_path
 
-    if model is not None and str(model).endswith(".gguf"):
-        path = Path(model)
-        try:
-            return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        except (ValueError, KeyError, OSError):
-            return None
+    if model is not None and str(model).endswith(".gguf"):  # the replicas' own tokenizer, its metadata checked first
+        from minivllm.model.gguf_loader import gguf_tokenizer, read_gguf
+
+        return gguf_tokenizer(read_gguf(Path(model)))
     folder = resolve_model_path(model)
     if not any((folder / name).exists() for name in TOKENIZER_FILES):
         return None

@@ -4,6 +4,7 @@ conversation's next turn goes back to the replica that served the last one, `cac
 and not, errors pass through, a hang-up aborts on the replica, a dead replica is avoided and, when none is left,
 a clean 503; no replica process outlives its front end."""
 
+import itertools
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 
 import httpx
 import pytest
@@ -42,6 +44,22 @@ def test_the_index_follows_stored_removed_and_cleared_events():
     assert index.cached_prefix(0, [h("a")]) == 0 and index.cached_prefix(1, [h("a")]) == 1
     with pytest.raises(TypeError):
         index.apply(0, "not an event")
+
+
+def test_the_index_counts_copies_of_a_block():
+    """Issue 27: the pool names every duplicate block, and each copy is stored and removed on its own. Removing one
+    copy of a hash must not drop the hash while another copy is still named on that replica."""
+    index = BlockIndex(2)
+    index.apply(0, BlockStored([h("a"), h("b")], None, list(range(8)), 4))
+    index.apply(0, BlockStored([h("a")], None, list(range(4)), 4))  # a second copy of a
+    index.apply(1, BlockStored([h("a")], None, list(range(4)), 4))
+    index.apply(0, BlockRemoved([h("a")]))
+    assert index.cached_prefix(0, [h("a"), h("b")]) == 2  # the other copy still serves it
+    index.apply(0, BlockRemoved([h("a")]))
+    assert index.cached_prefix(0, [h("a"), h("b")]) == 0 and index.cached_prefix(1, [h("a")]) == 1
+    index.apply(0, BlockRemoved([h("a")]))  # one removal too many (say, after a resync): nothing goes negative
+    index.apply(0, BlockStored([h("a")], None, list(range(4)), 4))
+    assert index.blocks[0][h("a")] == 1
 
 
 def test_events_survive_the_wire():
@@ -170,7 +188,8 @@ def test_kv_events_mirror_the_prefix_cache_under_eviction():
     assert any(e.parent_block_hash is not None for e in stored)
     for event in events:
         index.apply(0, event)
-    assert index.blocks[0] == set(llm.engine.kv_manager.pool.cached)
+    pool = llm.engine.kv_manager.pool
+    assert index.blocks[0] == Counter({block_hash: len(pool.cached.copies(block_hash)) for block_hash in pool.cached})
     events.clear()
     llm.engine.kv_manager.reset_prefix_cache()
     assert list(events) == [AllBlocksCleared()]
@@ -178,6 +197,31 @@ def test_kv_events_mirror_the_prefix_cache_under_eviction():
         publish_kv_events(llm.engine)
     with pytest.raises(ValueError, match="prefix cache"):
         publish_kv_events(LLM(num_kv_blocks=8, enable_prefix_caching=False).engine)
+
+
+def test_a_removed_copy_leaves_the_other_copy_findable():
+    """Issue 27 case C through the events: two identical block-aligned prompts. The second finds the first's
+    blocks but recomputes the last one (a fully cached prompt still needs one token's logits), so that block
+    exists twice, both copies named. Evicting one copy sends a BlockRemoved for a hash the replica still serves
+    from the other; the index keeps it, and the engine does hit it."""
+    llm = LLM(num_kv_blocks=12, block_size=4, max_num_seqs=2)
+    events, index = publish_kv_events(llm.engine), BlockIndex(1)
+    ids = llm.get_tokenizer()(CORPUS[:2000]).input_ids
+    twin, greedy = ids[:16], SamplingParams(temperature=0, max_tokens=1)
+    llm.generate([{"prompt_token_ids": twin}] * 2, greedy, use_tqdm=False)  # 5 named blocks: the last one twice
+    # 8 blocks: the 7 that hold no name, then the least recently freed named one, the first copy of the last block
+    llm.generate({"prompt_token_ids": ids[300:332]}, greedy, use_tqdm=False)
+    for event in events:
+        index.apply(0, event)
+    chain = block_hashes(twin, 4)
+    removed = {bh for e in events if isinstance(e, BlockRemoved) for bh in e.block_hashes}
+    still_named = [bh for bh in chain if bh in removed and bh in llm.engine.kv_manager.pool.cached]
+    assert still_named, "the workload was meant to evict one copy of a twin block"
+    assert all(index.blocks[0][bh] == 1 for bh in still_named)
+    assert index.cached_prefix(0, chain) == sum(1 for _ in itertools.takewhile(
+        lambda bh: bh in llm.engine.kv_manager.pool.cached, chain))
+    [out] = llm.generate({"prompt_token_ids": twin + [5]}, greedy, use_tqdm=False)
+    assert out.num_cached_tokens == 4 * index.cached_prefix(0, chain) > 0
 
 
 def test_bad_command_lines_are_refused():

@@ -308,8 +308,9 @@ class RouterFront:
                   ("replica_marked_down_total", "times the probe marked the replica down", "counter", self.marked_down),
                   ("requests_routed_total", "requests routed to the replica", "counter", self.routed),
                   ("requests_in_flight", "requests proxied and not finished", "gauge", router.in_flight),
-                  ("index_blocks", "blocks the index says the replica holds", "gauge", [len(b) for b in router.index.blocks]),
-                  ("index_pending_blocks", "of which not confirmed by a KV event yet", "gauge",
+                  ("index_blocks", "block hashes the replica's KV events say it holds", "gauge",
+                   [len(b) for b in router.index.blocks]),
+                  ("index_pending_blocks", "block hashes routed there, not confirmed by a KV event yet", "gauge",
                    [len(p) for p in router.index.pending]),
                   ("kv_event_lines_skipped_total", "unreadable KV-event lines (each followed by a resync)", "counter",
                    self.skipped_lines)]

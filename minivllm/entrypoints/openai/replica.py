@@ -5,8 +5,8 @@ prefix cache's KV events published, in a process of its own, started by the supe
 Its extra routes:
 
     GET  /kv_events            the KV events as JSON lines (minivllm/distributed/kv_events.py): first a snapshot
-                               (AllBlocksCleared, then one BlockStored of every named block), then every event as
-                               it happens
+                               (AllBlocksCleared, then one BlockStored naming every named block, each copy
+                               once), then every event as it happens
     POST /reset_prefix_cache   development mode only (`dev_mode`, or MINIVLLM_SERVER_DEV_MODE=1, as vLLM's
                                VLLM_SERVER_DEV_MODE): forget every cached block, in the engine loop's next turn;
                                409 while requests run. Without dev mode the route does not exist (404)
@@ -30,6 +30,7 @@ from collections import deque
 from fastapi.responses import Response, StreamingResponse
 
 from minivllm.distributed.kv_events import AllBlocksCleared, BlockStored, event_to_json, publish_kv_events
+from minivllm.distributed.router import BlockIndex
 from minivllm.entrypoints.openai.api_server import Limits, build_app
 from minivllm.entrypoints.openai.protocol import APIError
 
@@ -68,7 +69,7 @@ class KVEventPublisher:
 
     def __init__(self, events, block_size: int):
         self.events, self.block_size = events, block_size
-        self.mirror: set[bytes] = set()
+        self.mirror = BlockIndex(1)  # what the events said so far, copies counted, as the router keeps it
         self.subscribers: list[Subscriber] = []
         self.task: asyncio.Task | None = None
         self.published = 0
@@ -77,12 +78,7 @@ class KVEventPublisher:
     def drain(self) -> None:
         while self.events:
             event = self.events.popleft()
-            if isinstance(event, BlockStored):
-                self.mirror.update(event.block_hashes)
-            elif isinstance(event, AllBlocksCleared):
-                self.mirror.clear()
-            else:
-                self.mirror.difference_update(event.block_hashes)
+            self.mirror.apply(0, event)
             line = json.dumps(event_to_json(event)) + "\n"
             self.published += 1
             for subscriber in self.subscribers:
@@ -95,8 +91,9 @@ class KVEventPublisher:
 
     def snapshot_lines(self) -> list[str]:
         lines = [json.dumps(event_to_json(AllBlocksCleared())) + "\n"]
-        if self.mirror:
-            lines.append(json.dumps(event_to_json(BlockStored(sorted(self.mirror), None, [], self.block_size))) + "\n")
+        if self.mirror.blocks[0]:
+            named = BlockStored(sorted(self.mirror.blocks[0].elements()), None, [], self.block_size)
+            lines.append(json.dumps(event_to_json(named)) + "\n")
         return lines
 
     def subscribe(self) -> Subscriber:

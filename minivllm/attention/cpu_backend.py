@@ -23,7 +23,7 @@ class CPUPagedAttention(PagedAttention):
             self.decode_tables, self.decode_lens = block_tables[self.decodes], seq_lens[self.decodes]
 
     def attend(self, layer, q, k, v):
-        if self.kv_cache.kv.dtype != torch.float32:
+        if self.kv_cache.kv.dtype not in (torch.float32, torch.bfloat16):  # the kernel's two cache types
             return super().attend(layer, q, k, v)
         k_cache, v_cache = self.write_kv(layer, k, v)
         if not self.others:  # decode-only: the busy engine's common step

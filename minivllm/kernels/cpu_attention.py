@@ -14,24 +14,30 @@ DECODE_SETUP = r"""
 #include <cmath>
 #include <vector>
 
+// A bfloat16 is the top half of a float32: widening one is a shift, done as each key and value is loaded.
+inline float widen(float x) { return x; }
+inline float widen(at::BFloat16 x) { return static_cast<float>(x); }
+
 // out[s, head] = softmax(q[s, head] . keys(s) * scale) . values(s): one new token per sequence, over its
-// seq_lens[s] keys, read in place through its row of block_tables.
+// seq_lens[s] keys, read in place through its row of block_tables. Caches of float32 or bfloat16; every
+// product and sum in float32.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-              v_cache.scalar_type() == at::kFloat, "paged_decode: float32 tensors only");
+  const auto dtype = k_cache.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && q.scalar_type() == dtype &&
+              v_cache.scalar_type() == dtype, "paged_decode: q and caches must be all float32 or all bfloat16");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kLong,
               "paged_decode: block_tables must be int32 and seq_lens int64");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode: caches must be contiguous");
-  q = q.contiguous();
+  auto qf = q.to(at::kFloat).contiguous();  // the queries, widened once: a few hundred numbers per sequence
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2), width = tables.size(1);
   const int64_t group = num_heads / num_kv_heads, row = num_kv_heads * dim;  // a token's row: every kv head
   TORCH_CHECK(k_cache.size(3) == dim && num_heads % num_kv_heads == 0, "paged_decode: q does not fit the cache");
-  auto out = torch::empty_like(q);
-  const float *Q = q.data_ptr<float>(), *K = k_cache.data_ptr<float>(), *V = v_cache.data_ptr<float>();
+  auto out = torch::empty_like(qf);
+  const float* Q = qf.data_ptr<float>();
   const int32_t* T = tables.data_ptr<int32_t>();
   const int64_t* L = lens.data_ptr<int64_t>();
   float* O = out.data_ptr<float>();
@@ -45,6 +51,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 
 
 DECODE_SCORES = r"""
+  auto attend = [&](const auto* K, const auto* V) {  // one body for both cache types (a generic lambda)
   at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {  // each thread: a range of sequences
     std::vector<float> scores, acc(num_heads * dim);
     for (int64_t s = begin; s < end; ++s) {
@@ -52,13 +59,13 @@ DECODE_SCORES = r"""
       const float* qs = Q + s * num_heads * dim;
       scores.resize(num_heads * n);
       for (int64_t t0 = 0; t0 < n; t0 += block_size) {  // one block: up to block_size consecutive rows
-        const float* k = K + int64_t(T[s * width + t0 / block_size]) * block_size * row;
+        const auto* k = K + int64_t(T[s * width + t0 / block_size]) * block_size * row;
         for (int64_t t = t0; t < std::min(n, t0 + block_size); ++t, k += row)
           for (int64_t head = 0; head < num_heads; ++head) {
-            const float* kh = k + (head / group) * dim;  // grouped-query: heads of a group share a kv head
+            const auto* kh = k + (head / group) * dim;  // grouped-query: heads of a group share a kv head
             float dot = 0.f;
             #pragma omp simd reduction(+:dot)
-            for (int64_t d = 0; d < dim; ++d) dot += qs[head * dim + d] * kh[d];
+            for (int64_t d = 0; d < dim; ++d) dot += qs[head * dim + d] * widen(kh[d]);
             scores[head * n + t] = dot * fscale;
           }
       }
@@ -75,19 +82,25 @@ DECODE_SCORES = r"""
 DECODE_VALUES = r"""
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0; t0 < n; t0 += block_size) {  // the same rows again, for the values
-        const float* v = V + int64_t(T[s * width + t0 / block_size]) * block_size * row;
+        const auto* v = V + int64_t(T[s * width + t0 / block_size]) * block_size * row;
         for (int64_t t = t0; t < std::min(n, t0 + block_size); ++t, v += row)
           for (int64_t head = 0; head < num_heads; ++head) {
-            const float p = scores[head * n + t], *vh = v + (head / group) * dim;
+            const float p = scores[head * n + t];
+            const auto* vh = v + (head / group) * dim;
             float* a = acc.data() + head * dim;
             #pragma omp simd
-            for (int64_t d = 0; d < dim; ++d) a[d] += p * vh[d];
+            for (int64_t d = 0; d < dim; ++d) a[d] += p * widen(vh[d]);
           }
       }
       std::copy(acc.begin(), acc.end(), O + s * num_heads * dim);
     }
   });
-  return out;
+  };
+  if (dtype == at::kFloat)
+    attend(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+  else
+    attend(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
+  return out.to(q.scalar_type());  // no copy when q is float32
 }
 """
 

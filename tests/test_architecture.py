@@ -4,10 +4,12 @@ fails only its own requests."""
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import nbformat
 import pytest
 import torch
 
@@ -19,8 +21,10 @@ from minivllm.core.stop_checker import IncrementalDetokenizer, StopChecker
 from minivllm.engine.llm_engine import EngineStepError
 from minivllm.engine.sampler import Sampler, sample_token, sampling_probs
 from minivllm.model.loader import DEFAULT_MODEL
+from minivllm.tools.notebooks import book_notebooks
 
 PACKAGE = Path(minivllm.__file__).parent
+NOTEBOOKS = PACKAGE.parent / "notebooks"
 NOT_ENGINE = ("minivllm.book", "minivllm.tools", "minivllm.exercises", "minivllm.cli", "minivllm.__main__")
 
 
@@ -278,3 +282,66 @@ def test_speculative_decoding_refuses_logprobs_up_front():
     with pytest.raises(ValueError, match="logprobs"):
         spec.generate("ROMEO:", SamplingParams(logprobs=1), use_tqdm=False)
     assert not spec.engine.has_unfinished_requests()
+
+
+def first_definitions() -> tuple[dict[str, int], dict[tuple[str, str], int], list]:
+    """From the notebooks, in book order: module -> index of the first chapter exporting it, (module, name) ->
+    the first chapter defining that name in it, and every chapter's code cells as (index, notebook, tree)."""
+    chapters = book_notebooks(NOTEBOOKS)
+    first_module, first_name, cells = {}, {}, []
+    for index, path in enumerate(chapters):
+        for cell in nbformat.read(path, as_version=4).cells:
+            if cell.cell_type != "code" or not cell.source.strip():
+                continue
+            tree = ast.parse("\n".join(line for line in cell.source.splitlines() if not line.startswith(("%", "!"))))
+            if not path.stem.startswith("00"):  # chapter 0, how to use the book, runs the finished package
+                cells.append((index, path.stem, tree))
+            marker = re.match(r"# export: (minivllm/[\w/]+)\.py", cell.source)
+            if not marker:
+                continue
+            module = marker.group(1).replace("/", ".")
+            first_module.setdefault(module, index)
+            for node in tree.body:
+                targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", node)]
+                for name in [getattr(node, "name", None)] + [getattr(t, "id", None) for t in targets]:
+                    if name:
+                        first_name.setdefault((module, name), index)
+    return first_module, first_name, cells
+
+
+def test_no_chapter_imports_the_code_of_a_later_chapter():
+    """A reader of chapter N never meets code from a later chapter: no cell of chapter N imports a module
+    that a later chapter exports first, or a name that a later chapter adds to an earlier module. Later
+    chapters plug in through the extension points chapter 6 leaves (LLM_OPTIONS, KV_MANAGERS, ...)."""
+    first_module, first_name, cells = first_definitions()
+    assert first_name[("minivllm.engine.llm_engine", "LLMEngine")] < first_module["minivllm.spec_decode.engine"]
+    forward = set()
+    for index, notebook, tree in cells:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found = [(alias.name, first_module.get(alias.name, -1)) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("minivllm"):
+                found = [(f"{node.module}.{alias.name}", first_module.get(f"{node.module}.{alias.name}",
+                          first_name.get((node.module, alias.name), first_module.get(node.module, -1))))
+                         for alias in node.names]
+            else:
+                continue
+            forward |= {f"{notebook} imports {name}" for name, chapter in found if chapter > index}
+    assert sorted(forward) == []
+
+
+def test_a_keyword_or_an_option_no_chapter_has_plugged_in_is_refused(monkeypatch):
+    """Chapter 6 leaves places for later chapters' options; until one is registered it is refused, never ignored."""
+    from minivllm.config import EngineConfig
+    from minivllm.engine import llm_engine
+    from minivllm.model.loader import load_model
+
+    with pytest.raises(TypeError, match="unexpected keyword argument 'enable_prefix_cache'"):
+        LLM(enable_prefix_cache=True)  # a misspelt option
+    monkeypatch.setattr(llm_engine, "KV_MANAGERS", {})  # as in chapter 6, before chapter 7 registers its manager
+    model, _ = load_model()
+    with pytest.raises(ValueError, match="enable_prefix_caching = True needs chapter 7's prefix cache"):
+        llm_engine.LLMEngine(model, None, EngineConfig(num_kv_blocks=8, enable_prefix_caching=True))
+    with pytest.raises(ValueError, match="kv_offloading_size = 1.0 needs chapter 13"):
+        llm_engine.LLMEngine(model, None, EngineConfig(num_kv_blocks=8, kv_offloading_size=1.0))
+    assert type(llm_engine.LLMEngine(model, None, EngineConfig(num_kv_blocks=8)).kv_manager).__name__ == "KVCacheManager"

@@ -1,5 +1,6 @@
 """Chapter 11: tensor parallelism. TP=2 greedy tokens equal TP=1 and transformers (the embedded model and
-random GQA checkpoints, one with biases everywhere); bad sizes are refused before any process starts; a killed
+random GQA checkpoints, one with biases everywhere), also with n-gram and draft-model speculation; every rank,
+the driver included, reads only its shard; bad sizes are refused before any process starts; a killed
 worker fails the step with an error naming its rank, never a hang; no worker outlives its LLM."""
 
 import os
@@ -15,6 +16,7 @@ import torch
 from minivllm import LLM, SamplingParams
 from minivllm.attention.base import NoCacheAttention
 from minivllm.distributed.engine import TensorParallelEngine
+from minivllm.distributed.shard import load_shard
 from minivllm.engine.llm_engine import EngineStepError
 from tests.conftest import save_random_checkpoint, transformers_greedy
 
@@ -96,10 +98,49 @@ def test_bad_sizes_are_refused_before_any_process_starts(monkeypatch, size, word
     assert words in str(error.value) and not started
 
 
-def test_speculative_decoding_with_tp_is_refused():
-    with pytest.raises(ValueError, match="speculative_config.*tensor_parallel_size"):
-        LLM(device="cpu", num_kv_blocks=16, tensor_parallel_size=2,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+@pytest.mark.parametrize("speculative_config", [
+    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1},
+    {"method": "draft_model", "num_speculative_tokens": 3}], ids=["ngram", "draft_model"])
+def test_tp2_composes_with_speculative_decoding(speculative_config):
+    """Issue 27: the tensor-parallel mixins go in front of chapter 9's engine and runner. Draft tokens are batch
+    tokens like any others, verified by chapter 9's own sample; greedy output is transformers', and drafts were
+    accepted, so verification really ran on two ranks."""
+    prompts = ["ROMEO:\n", "O, " * 12, "First Citizen:\nBefore we proceed any further, hear me speak."]
+    llm = LLM(device="cpu", num_kv_blocks=64, tensor_parallel_size=2, speculative_config=speculative_config)
+    try:
+        assert [type(llm.engine).__mro__[1].__name__, type(llm.engine).__mro__[2].__name__] == \
+            ["TensorParallelEngine", "SpecDecodeEngine"]
+        from minivllm.book.mechanism_checks import greedy_reference
+
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+        tokenizer = llm.get_tokenizer()
+        for prompt, output in zip(prompts, outputs):
+            assert list(output.outputs[0].token_ids) == greedy_reference(tokenizer(prompt).input_ids, 24)
+        assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
+    finally:
+        llm.shutdown()
+
+
+def test_every_rank_the_driver_included_reads_only_its_shard(monkeypatch):
+    """Issue 27: the driver's model is rank 0's shard read from the checkpoint with the same function as the
+    workers', not a whole model sharded in place."""
+    from minivllm.distributed.layers import ColumnParallelLinear
+    from minivllm.distributed.shard import load_shard
+
+    ranks_read_here = []
+
+    def recording(model, dtype, device, rank, world_size):
+        ranks_read_here.append((rank, world_size))
+        return load_shard(model, dtype, device, rank, world_size)
+    monkeypatch.setattr(TensorParallelEngine, "load_shard", staticmethod(recording))
+    llm = LLM(device="cpu", num_kv_blocks=16, tensor_parallel_size=2)
+    try:
+        assert ranks_read_here == [(0, 2)]  # this process read rank 0's shard only; rank 1 read in its process
+        q_proj = llm.engine.model.model.layers[0].self_attn.q_proj
+        assert isinstance(q_proj, ColumnParallelLinear) and q_proj.weight.shape[0] == llm.engine.model.config.num_heads \
+            * llm.engine.model.config.head_dim
+    finally:
+        llm.shutdown()
 
 
 def test_a_killed_worker_fails_the_requests_naming_its_rank(monkeypatch):
@@ -195,9 +236,11 @@ def test_a_worker_that_fails_to_load_is_named_with_its_traceback(monkeypatch):
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
     monkeypatch.delenv("MINIVLLM_WORKER_MULTIPROC_METHOD", raising=False)
 
-    def no_shard(*args, **kwargs):
-        raise FileNotFoundError("model-00002-of-00002.safetensors is missing")
-    monkeypatch.setattr("minivllm.distributed.executor.load_shard", no_shard)
+    def no_shard(model, dtype, device, rank, world_size):
+        if rank:
+            raise FileNotFoundError("model-00002-of-00002.safetensors is missing")
+        return load_shard(model, dtype, device, rank, world_size)
+    monkeypatch.setattr(TensorParallelEngine, "load_shard", staticmethod(no_shard))
     with pytest.raises(RuntimeError, match=r"rank 1 failed to start:(.|\n)*FileNotFoundError: model-00002"):
         LLM(device="cpu", num_kv_blocks=16, tensor_parallel_size=2)
 
@@ -206,10 +249,12 @@ def test_a_worker_that_dies_without_a_traceback_is_explained_by_its_last_stderr_
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
     monkeypatch.delenv("MINIVLLM_WORKER_MULTIPROC_METHOD", raising=False)
 
-    def vanish(*args, **kwargs):
-        os.write(2, b"out of shared memory, giving up\n")
-        os._exit(3)
-    monkeypatch.setattr("minivllm.distributed.executor.load_shard", vanish)
+    def vanish(model, dtype, device, rank, world_size):
+        if rank:
+            os.write(2, b"out of shared memory, giving up\n")
+            os._exit(3)
+        return load_shard(model, dtype, device, rank, world_size)
+    monkeypatch.setattr(TensorParallelEngine, "load_shard", staticmethod(vanish))
     with pytest.raises(RuntimeError, match=r"rank 1 died \(exit code 3\):\nout of shared memory, giving up"):
         LLM(device="cpu", num_kv_blocks=16, tensor_parallel_size=2)
 

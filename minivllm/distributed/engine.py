@@ -6,18 +6,17 @@ import weakref
 import torch.distributed as dist
 
 from minivllm.config import EngineConfig
-from minivllm.distributed.checks import check_tensor_parallel_size
 from minivllm.distributed.executor import TensorParallelWorkers, batch_message
 from minivllm.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
-from minivllm.distributed.shard import shard_model
+from minivllm.distributed.shard import load_shard
 from minivllm.engine.checks import check_engine_config
-from minivllm.engine.llm_engine import LLMEngine
-from minivllm.engine.model_runner import ModelRunner, prepare_paged_batch
+from minivllm.engine.model_runner import prepare_paged_batch
 
 
-class TensorParallelModelRunner(ModelRunner):
-    """The driver's runner (rank 0): build the batch as always, hand it to every worker, run rank 0's shard
-    (whose all-reduces meet the workers'), and sample from the full hidden state the last all-reduce left."""
+class TensorParallelRunner:
+    """Put in front of the engine's runner class, on the driver (rank 0): build the batch as that runner does,
+    hand it to every worker, run rank 0's shard (whose all-reduces meet the workers'), and sample, or verify,
+    with that runner's own `sample`, from the full hidden state the last all-reduce left."""
 
     workers: TensorParallelWorkers | None = None  # set by TensorParallelEngine
     broken: str | None = None
@@ -45,31 +44,31 @@ class TensorParallelModelRunner(ModelRunner):
         return self.sample(scheduled, hidden, metadata.query_start_loc)
 
 
-class TensorParallelEngine(LLMEngine):
-    """LLMEngine over tensor_parallel_size processes: this one is rank 0 (scheduler, sampler, its shard), the
-    others are worker processes that read their shards of the same checkpoint."""
+class TensorParallelEngine:
+    """Put in front of an engine class: this process is rank 0 (scheduler, sampler, its shard), the others are
+    worker processes that read their shards of the same checkpoint. `model` is rank 0's shard already."""
 
-    runner_class = TensorParallelModelRunner
+    load_shard = staticmethod(load_shard)  # how every rank reads its shard (an exercise swaps it)
     timeout_s = 60.0  # a collective gives up after this long
     startup_timeout_s = 300.0  # and so does waiting for the workers to load the checkpoint
 
-    def __init__(self, model, tokenizer, config: EngineConfig, backend, tensor_parallel_size: int,
-                 load_args: tuple = (None, None)):
-        device = model.lm_head.weight.device
-        check_tensor_parallel_size(tensor_parallel_size, model.config, None, device)
+    def __init__(self, model, tokenizer, config: EngineConfig, backend, *, tensor_parallel_size: int,
+                 load_args: tuple = (None, None), **engine_kwargs):
         check_engine_config(model, config)  # every refusal before a process starts
         if dist.is_initialized():
             gc.collect()  # an LLM nobody holds any more may still hold the group until collected
         if dist.is_initialized():
             raise RuntimeError("this process already holds a process group (another tensor-parallel LLM?): "
                                "call its shutdown() first")
-        self.workers = TensorParallelWorkers(tensor_parallel_size, (*load_args, device.type), backend,
-                                             (config.num_kv_blocks, config.block_size), self.timeout_s)
+        super().__init__(model, tokenizer, config, backend, **engine_kwargs)
+        device = model.lm_head.weight.device
+        self.workers = TensorParallelWorkers(tensor_parallel_size, (self.load_shard, *load_args, device.type),
+                                             backend, (self.config.num_kv_blocks, self.config.block_size),
+                                             self.timeout_s)
         self._finalizer = weakref.finalize(self, shutdown_tensor_parallel, self.workers)
         try:
             self.workers.wait_ready(self.startup_timeout_s)
             init_tensor_parallel(0, tensor_parallel_size, self.workers.port, device, self.timeout_s)
-            super().__init__(shard_model(model, 0, tensor_parallel_size), tokenizer, config, backend)
         except BaseException:
             self.shutdown()
             raise
@@ -83,3 +82,11 @@ class TensorParallelEngine(LLMEngine):
 def shutdown_tensor_parallel(workers: TensorParallelWorkers) -> None:
     workers.shutdown()
     destroy_tensor_parallel()
+
+
+def tensor_parallel(engine_class: type) -> type:
+    """engine_class on tensor_parallel_size ranks: the driver's duties in front of it and of its runner class."""
+    runner_class = type(f"TensorParallel{engine_class.runner_class.__name__}",
+                        (TensorParallelRunner, engine_class.runner_class), {})
+    return type(f"TensorParallel{engine_class.__name__}", (TensorParallelEngine, engine_class),
+                {"runner_class": runner_class})

@@ -14,7 +14,6 @@ import torch.multiprocessing as mp
 from minivllm.attention.paged import PagedKVCache
 from minivllm.distributed.checks import check_main_guard, requested_start_method
 from minivllm.distributed.parallel_state import destroy_tensor_parallel, free_port, init_tensor_parallel
-from minivllm.distributed.shard import load_shard
 from minivllm.distributed.worker_plumbing import (
     how_it_ended,
     log_tail,
@@ -50,9 +49,9 @@ def worker_main(rank: int, world_size: int, port: int, load_args: tuple, backend
     the driver sends until told to stop, or until the driver is gone."""
     try:
         torch.set_num_threads(num_threads)
-        model, dtype, device_type = load_args
+        read_shard, model, dtype, device_type = load_args
         device = torch.device(f"cuda:{rank}" if device_type == "cuda" else "cpu")
-        lm = load_shard(model, dtype, device, rank, world_size)  # its shard only
+        lm = read_shard(model, dtype, device, rank, world_size)  # its shard only
         kv_cache = PagedKVCache.for_model(lm, *cache_shape)
         outbox.put(("ready", rank, None))
         init_tensor_parallel(rank, world_size, port, device, timeout_s)

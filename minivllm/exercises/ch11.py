@@ -1,15 +1,18 @@
-"""Chapter 11 exercises. The reader's sharding function fills the weights of every rank's shard of the embedded
-model; the ranks run as threads of this process (`ThreadGroup`, the chapter's simulator), and their logits
-and greedy tokens are checked against transformers."""
+"""Chapter 11 exercises. The reader's vocabulary-parallel embedding runs on ranks that are threads (`ThreadGroup`,
+the chapter's simulator), then on every rank of a real LLM(tensor_parallel_size=2), against transformers. The
+reader's fused-QKV sharding fills the weights of every rank's shard of the embedded model, on threads, and the
+logits and greedy tokens are checked against transformers."""
 
 import copy
+import os
 
 import torch
 from torch import nn
 
-from minivllm.exercises import close, exercise, expect
+from minivllm.exercises import case_random, close, exercise, expect
 
 PROMPT_TOKENS = 12
+START_METHOD_VARIABLES = ("VLLM_WORKER_MULTIPROC_METHOD", "MINIVLLM_WORKER_MULTIPROC_METHOD")
 
 
 def _shards(world: int, fill):
@@ -77,52 +80,94 @@ def _model_cases(world: int, fill_for):
              greedy_matches)]
 
 
-def _split_cases(dim: int, what: str):
-    def case(shape, world):
-        def test(candidate):
-            weight = torch.arange(float(torch.tensor(shape).prod())).reshape(shape)
-            parts = [torch.as_tensor(candidate(weight.clone(), rank, world)) for rank in range(world)]
-            for rank, part in enumerate(parts):
-                want = list(shape)
-                want[dim] //= world
-                expect(list(part.shape) == want, f"{list(shape)}, rank {rank} of {world}: shape {list(part.shape)}, "
-                       f"expected {want}")
-            expect(torch.equal(torch.cat(parts, dim), weight),
-                   f"{list(shape)}, {world} ranks: the shards put back together (dim {dim}) are not the {what}")
-        return test
-    return case
+def _thread_ranks(candidate, embedding: nn.Embedding, world: int):
+    """The reader's module on `world` ranks that are threads (the chapter's ThreadGroup), each from a copy."""
+    from minivllm.distributed.parallel_state import ThreadGroup
+
+    group = ThreadGroup(world, timeout_s=10.0)
+    modules = [candidate(copy.deepcopy(embedding), rank, world, group.all_reduce_for(rank)) for rank in range(world)]
+    return group, modules
 
 
-@exercise("11.shard_column")
-def _shard_column():
-    """shard_column(weight, rank, world_size): rank's share of the output features (weight rows; or a bias)."""
-    def fill_for(shard_column):
-        def fill(rank, world, full, layer):
-            for parent, name in [(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj")] + \
-                                [(layer.mlp, n) for n in ("gate_proj", "up_proj")]:
-                source, target = getattr(full.self_attn if parent is layer.self_attn else full.mlp, name), \
-                    getattr(parent, name)
-                _put(target, "weight", shard_column(source.weight.data.clone(), rank, world), target.weight.shape)
-        return fill
-
-    case = _split_cases(0, "weight")
-    return [("a [6, 4] weight, 2 ranks", case((6, 4), 2)), ("a [8, 3] weight, 4 ranks", case((8, 3), 4)),
-            ("a bias of 6, 3 ranks", case((6,), 3)), *_model_cases(2, fill_for)]
+def _held(module) -> int:
+    return sum(t.numel() for t in [*module.parameters(), *module.buffers()])
 
 
-@exercise("11.shard_row")
-def _shard_row():
-    """shard_row(weight, rank, world_size): rank's share of the input features (weight columns)."""
-    def fill_for(shard_row):
-        def fill(rank, world, full, layer):
-            for source, target in ((full.self_attn.o_proj, layer.self_attn.o_proj),
-                                   (full.mlp.down_proj, layer.mlp.down_proj)):
-                _put(target, "weight", shard_row(source.weight.data.clone(), rank, world), target.weight.shape)
-        return fill
+def _embedding_cases(vocab: int, hidden: int, world: int, stream: str):
+    """Every rank's output equals the whole table's rows, bit for bit, on ids that include each range's edges;
+    every rank holds only its vocab / world rows."""
+    def test(candidate):
+        embedding = nn.Embedding(vocab, hidden)
+        with torch.no_grad():
+            embedding.weight.copy_(torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(vocab)))
+        group, modules = _thread_ranks(candidate, embedding, world)
+        part = vocab // world
+        for rank, module in enumerate(modules):
+            expect(_held(module) <= part * hidden, f"vocabulary {vocab}, rank {rank} of {world}: holds "
+                   f"{_held(module)} numbers, but its range is {part} rows of {hidden}")
+        edges = sorted({i for r in range(world) for i in (r * part, r * part + part - 1)})
+        rng = case_random(stream)
+        ids = torch.tensor(edges + [rng.randrange(vocab) for _ in range(9)] + edges[::-1])
+        with torch.no_grad():
+            outs = group.run(lambda rank: torch.as_tensor(modules[rank](ids.clone())))
+            want = embedding(ids)
+        for rank, got in enumerate(outs):
+            expect(tuple(got.shape) == tuple(want.shape), f"rank {rank}: output of shape {tuple(got.shape)}, "
+                   f"expected {tuple(want.shape)}")
+            wrong = (got != want).any(-1).nonzero()
+            expect(not len(wrong), f"vocabulary {vocab} on {world} ranks: rank {rank}'s row for token id "
+                   f"{int(ids[wrong[0]]) if len(wrong) else 0} is not that token's embedding "
+                   f"(ranges of {part} ids: rank r holds r*{part} .. r*{part}+{part - 1})")
+    return test
 
-    case = _split_cases(1, "weight")
-    return [("a [4, 6] weight, 2 ranks", case((4, 6), 2)), ("a [3, 8] weight, 4 ranks", case((3, 8), 4)),
-            *_model_cases(2, fill_for)]
+
+def _engine_case(candidate):
+    """LLM(tensor_parallel_size=2): every rank, the driver and the worker process, embeds with the reader's
+    module in place of its whole table; greedy tokens against transformers."""
+    from minivllm import LLM, SamplingParams
+    from minivllm.book.mechanism_checks import divergence, greedy_reference, passage_prompts
+    from minivllm.distributed.engine import TensorParallelEngine
+    from minivllm.distributed.parallel_state import tensor_model_parallel_all_reduce
+
+    reads_shard = TensorParallelEngine.load_shard
+
+    def load_with_reader_embedding(model, dtype, device, rank, world_size):
+        lm = reads_shard(model, dtype, device, rank, world_size)
+        lm.model.embed_tokens = candidate(lm.model.embed_tokens, rank, world_size, tensor_model_parallel_all_reduce)
+        return lm
+
+    prompts = passage_prompts([PROMPT_TOKENS, PROMPT_TOKENS + 5])
+    saved = {name: os.environ.get(name) for name in START_METHOD_VARIABLES}
+    os.environ.update(dict.fromkeys(saved, "fork"))  # the worker inherits the reader's class: a notebook's has no name
+    TensorParallelEngine.load_shard = staticmethod(load_with_reader_embedding)
+    try:
+        llm = LLM(device="cpu", num_kv_blocks=32, tensor_parallel_size=2)
+        try:
+            greedy = SamplingParams(temperature=0, max_tokens=PROMPT_TOKENS, ignore_eos=True)
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+        finally:
+            llm.shutdown()
+    finally:
+        TensorParallelEngine.load_shard = staticmethod(reads_shard)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
+    for prompt, output in zip(prompts, outputs):
+        where = divergence(list(output.outputs[0].token_ids), greedy_reference(prompt, PROMPT_TOKENS))
+        expect(where is None, f"TP=2 with your embedding on both ranks: greedy tokens part from transformers' at {where}")
+
+
+@exercise("11.vocab_parallel_embedding")
+def _vocab_parallel_embedding():
+    """VocabParallelEmbedding(embedding, rank, world_size, all_reduce): rank keeps only its range of the vocabulary
+    (rows r * V / world .. (r + 1) * V / world - 1); forward(input_ids) looks up the ids in its range, gives zero
+    rows for the others, and all-reduces, so that every rank ends with every token's embedding."""
+    return [("vocabulary 10 on 2 ranks: the ids at each range's edges", _embedding_cases(10, 3, 2, "11.vpe/2")),
+            ("vocabulary 12 on 4 ranks", _embedding_cases(12, 2, 4, "11.vpe/4")),
+            ("the embedded model's vocabulary (2,048) on 2 ranks", _embedding_cases(2048, 8, 2, "11.vpe/model")),
+            ("inside LLM(tensor_parallel_size=2): greedy tokens equal transformers'", _engine_case)]
 
 
 def _qkv_reference(weight, num_heads, num_kv_heads, head_dim, rank, world_size):

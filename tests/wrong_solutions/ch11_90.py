@@ -6,20 +6,50 @@ import torch
 from minivllm.core.kv_cache_utils import SEED_HASH, hash_block
 
 
-def shard_column_wrong_dim(weight, rank, world_size):
-    return weight.chunk(world_size, dim=-1)[rank]
+class _VocabShard(torch.nn.Module):
+    """What every wrong embedding below shares: rank's rows of the table, and its range."""
+
+    def __init__(self, embedding, rank, world_size, all_reduce):
+        super().__init__()
+        part = embedding.num_embeddings // world_size
+        self.start, self.end, self.all_reduce = rank * part, (rank + 1) * part, all_reduce
+        self.weight = torch.nn.Parameter(embedding.weight.data[self.start:self.end].clone(), requires_grad=False)
+
+    def local(self, input_ids):
+        return (input_ids - self.start).clamp(0, self.end - self.start - 1)
 
 
-def shard_column_interleaved(weight, rank, world_size):
-    return weight[rank::world_size]
+class VocabEmbeddingNotZeroed(_VocabShard):  # clamped ids out of range look up a real row, and it is summed in
+    def forward(self, input_ids):
+        return self.all_reduce(self.weight[self.local(input_ids)])
 
 
-def shard_row_wrong_dim(weight, rank, world_size):
-    return weight.chunk(world_size, dim=0)[rank]
+class VocabEmbeddingNoOffset(_VocabShard):  # the shard's row 0 is id `start`, not id 0
+    def forward(self, input_ids):
+        mine = (input_ids >= self.start) & (input_ids < self.end)
+        rows = self.weight[input_ids.clamp(0, self.end - self.start - 1)]
+        return self.all_reduce(rows * mine.unsqueeze(-1))
 
 
-def shard_row_interleaved(weight, rank, world_size):
-    return weight[:, rank::world_size]
+class VocabEmbeddingNoAllReduce(_VocabShard):  # each rank has only its own ids' rows
+    def forward(self, input_ids):
+        mine = (input_ids >= self.start) & (input_ids < self.end)
+        return self.weight[self.local(input_ids)] * mine.unsqueeze(-1)
+
+
+class VocabEmbeddingRangeOffByOne(_VocabShard):  # the next range's first id counted here too
+    def forward(self, input_ids):
+        mine = (input_ids >= self.start) & (input_ids <= self.end)
+        return self.all_reduce(self.weight[self.local(input_ids)] * mine.unsqueeze(-1))
+
+
+class VocabEmbeddingWholeTable(torch.nn.Module):  # right rows, but every rank keeps the whole vocabulary
+    def __init__(self, embedding, rank, world_size, all_reduce):
+        super().__init__()
+        self.embedding, self.rank, self.world_size = embedding, rank, world_size
+
+    def forward(self, input_ids):
+        return self.embedding(input_ids)
 
 
 def shard_qkv_as_one(weight, num_heads, num_kv_heads, head_dim, rank, world_size):  # cuts through q, k and v
@@ -112,8 +142,8 @@ def unpermute_identity(weight, num_heads):
 
 
 WRONG = {
-    "11.shard_column": [shard_column_wrong_dim, shard_column_interleaved],
-    "11.shard_row": [shard_row_wrong_dim, shard_row_interleaved],
+    "11.vocab_parallel_embedding": [VocabEmbeddingNotZeroed, VocabEmbeddingNoOffset, VocabEmbeddingNoAllReduce,
+                                    VocabEmbeddingRangeOffByOne, VocabEmbeddingWholeTable],
     "11.shard_qkv": [shard_qkv_as_one, shard_qkv_kv_replicated, shard_qkv_interleaved_heads],
     "12.cached_prefix_tokens": [cached_prefix_last_block_too, cached_prefix_counts_past_a_gap,
                                 cached_prefix_salt_ignored],

@@ -1,5 +1,6 @@
-"""python -m minivllm grade: one real solutions notebook (chapter 2's, the smallest) and small synthetic ones,
-each run in a fresh kernel. The JSON shape is the one issue 24 asks for."""
+"""python -m minivllm grade: one real solutions notebook (chapter 2's, the smallest; its check runs the model) and
+small synthetic ones made of chapter 8's two quickest answers, each run in a fresh kernel. The JSON shape is the
+one issue 24 asks for."""
 
 import json
 import shutil
@@ -17,7 +18,15 @@ from minivllm.tools import grade
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = ROOT / "notebooks" / "solutions" / "02_prefill_decode.ipynb"
 CHAPTER = ROOT / "notebooks" / "02_prefill_decode.ipynb"
-CHAPTER_2 = ["02.linear_intensity", "02.ttft_tpot"]
+CHAPTER_2 = ["02.detokenize", "02.find_stop"]
+QUICK = ROOT / "notebooks" / "solutions" / "08_triton.ipynb"  # plain PyTorch answers, checked in a second
+
+
+def quick_cells() -> list:
+    """The answers to 08.online_softmax and 08.merge_partials, in that order."""
+    cells = {name: cell for cell in exercise_cells(QUICK) for name in ("08.online_softmax", "08.merge_partials")
+             if f'check("{name}"' in cell.source}
+    return [cells["08.online_softmax"], cells["08.merge_partials"]]
 
 
 def exercise_cells(path: Path) -> list:
@@ -37,18 +46,17 @@ def run_grade(*args) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
-    """Chapter 2's solutions, its stubs, its solutions with one exercise broken, a notebook whose cell raises
+    """Chapter 2's solutions, its stubs, two right answers with one of them broken, a notebook whose cell raises
     between two checks, and one that reads the check seed: graded in one call with --seed 77."""
     folder = tmp_path_factory.mktemp("submissions")
     solutions = shutil.copy(SOLUTIONS, folder / "solutions.ipynb")
     stubs = write(folder / "stubs.ipynb", exercise_cells(CHAPTER))
-    cells = exercise_cells(SOLUTIONS)
-    broken = cells[1].source.replace("(len(token_times) - 1)", "len(token_times)")  # TPOT over n, not n - 1
+    cells = quick_cells()
+    broken = cells[1].source.replace("torch.logaddexp(lse1, lse2)", "torch.maximum(lse1, lse2)")  # no sum
     assert broken != cells[1].source
     cells[1].source = broken
     one_broken = write(folder / "one_broken.ipynb", cells)
-    raises = write(folder / "raises.ipynb", [exercise_cells(SOLUTIONS)[0], new_code_cell("1 / 0"),
-                                             exercise_cells(SOLUTIONS)[1]])
+    raises = write(folder / "raises.ipynb", [quick_cells()[0], new_code_cell("1 / 0"), quick_cells()[1]])
     seeded = write(folder / "seeded.ipynb", [new_code_cell(
         "from minivllm.exercises import check, check_seed\n"
         "def plan(running, waiting, budget, seqs):\n"
@@ -76,7 +84,7 @@ def test_a_solutions_notebook_passes_every_exercise(graded):
     solutions = graded[1]["solutions"]
     assert sorted(solutions["exercises"]) == CHAPTER_2
     assert solutions["passed"] == solutions["total"] == 2 and solutions["error"] is None
-    assert solutions["exercises"]["02.ttft_tpot"]["report"][-1] == "02.ttft_tpot: all 4 checks passed"
+    assert solutions["exercises"]["02.find_stop"]["report"][-1] == "02.find_stop: all 10 checks passed"
 
 
 def test_the_chapters_stubs_pass_none(graded):
@@ -87,36 +95,37 @@ def test_the_chapters_stubs_pass_none(graded):
 
 def test_one_broken_exercise_fails_alone(graded):
     exercises = graded[1]["one_broken"]["exercises"]
-    assert exercises["02.linear_intensity"]["passed"] and not exercises["02.ttft_tpot"]["passed"]
-    assert any(line.startswith("✗") for line in exercises["02.ttft_tpot"]["report"])
+    assert exercises["08.online_softmax"]["passed"] and not exercises["08.merge_partials"]["passed"]
+    assert any(line.startswith("✗") for line in exercises["08.merge_partials"]["report"])
 
 
 def test_a_cell_that_raises_is_the_notebooks_error_and_later_checks_count_as_failed(graded):
     raises = graded[1]["raises"]
     assert raises["error"] == "ZeroDivisionError: division by zero"
-    assert raises["exercises"]["02.linear_intensity"]["passed"]
-    assert raises["exercises"]["02.ttft_tpot"] == {
+    assert raises["exercises"]["08.online_softmax"]["passed"]
+    assert raises["exercises"]["08.merge_partials"] == {
         "passed": False, "report": ["never checked: the notebook stopped before this check"]}
     assert (raises["passed"], raises["total"]) == (1, 2)
 
 
 def test_the_table_has_a_row_per_notebook_and_a_column_per_exercise(graded):
     lines = graded[0].splitlines()
-    assert lines[0].split()[:4] == ["notebook", "02.linear_intensity", "02.ttft_tpot", "06.plan"]
+    assert lines[0].split()[:6] == ["notebook", "02.detokenize", "02.find_stop", "06.plan", "08.merge_partials",
+                                    "08.online_softmax"]
     assert len(lines) == 6
     row = next(line for line in lines if "one_broken" in line)
-    assert row.split()[-3:] == ["✓", "✗", "1/2"]  # no 06.plan in that notebook: a blank
+    assert row.split()[-3:] == ["✗", "✓", "1/2"]  # no chapter 2 exercise or 06.plan in that notebook: blanks
 
 
 def test_a_cell_that_never_ends_times_out_within_the_limit(tmp_path):
-    first, second = exercise_cells(SOLUTIONS)
+    first, second = quick_cells()
     cells = [first, new_code_cell("import time\ntime.sleep(3600)"), second]
     sleeper = write(tmp_path / "sleeper.ipynb", cells)
     start = time.monotonic()
     result = grade.grade_notebook(sleeper, timeout=10)
     assert time.monotonic() - start < 10 + 10  # the limit, then killing the process group
     assert result["error"] == "timed out after 10 s"
-    assert not result["exercises"]["02.ttft_tpot"]["passed"]
+    assert not result["exercises"]["08.merge_partials"]["passed"]
 
 
 def test_the_seed_reaches_the_checks(graded):

@@ -1,30 +1,38 @@
 """Every exercise's check rejects the mistakes students make and accepts the answer in notebooks/solutions/.
 
-The wrong answers live in tests/wrong_solutions/ (one module per chapter group); the right ones are taken from the
-solutions notebooks' cells. The checks that run the model (in the engine, on tensor-parallel ranks, on SmolLM2)
-take minutes for a right answer, which must pass every case: those answers are checked where the solutions
-notebooks are, by strict nbval in `make test` (their cells print "all N checks passed"), not twice. A wrong
-answer stops at its first failed case. 08.tile_update runs the Triton interpreter, which must be switched on
-before anything imports triton, so its wrong answers are tried in a fresh Python process."""
+The wrong answers live in tests/wrong_solutions/: every module there (but solutions.py) is picked up, whatever
+its name, and gives `WRONG = {"NN.name": [wrong_answer, ...]}` (at least two per exercise), and, optionally,
+`RUN_THE_MODEL = {"NN.name", ...}`: the exercises whose checks run the model (in the engine, on tensor-parallel
+ranks, on SmolLM2). Those take minutes for a right answer, which must pass every case: it is checked where the
+solutions notebooks are, by strict nbval in `make test` (their cells print "all N checks passed"), not twice.
+The right answers to the others are taken from the solutions notebooks' cells. A wrong answer stops at its
+first failed case. 08.tile_update runs the Triton interpreter, which must be switched on before anything imports
+triton, so its wrong answers are tried in a fresh Python process."""
 
 import json
 import os
+import pkgutil
 import subprocess
 import sys
 import textwrap
+from importlib import import_module
 from pathlib import Path
 
 import pytest
 
 from minivllm import exercises
-from tests.wrong_solutions import ch00_04, ch05, ch06, ch07, ch08, ch08b, ch09, ch10, ch11_90
+from tests import wrong_solutions
+from tests.wrong_solutions import ch08
 from tests.wrong_solutions.solutions import solution
 
 ROOT = Path(__file__).resolve().parents[1]
 IN_A_FRESH_PROCESS = {"08.tile_update"}
-RUN_THE_MODEL = {"05.allocate", "06.schedule", "07.computed_blocks", "07.predict_cached", "08b.paged_decode",
-                 "09.verify_greedy", "09.verify_sampled", "11.shard_column", "11.shard_row", "11.shard_qkv",
-                 "12.cached_prefix_tokens", "90.dequantize_q4_1", "90.unpermute"}
+MODULES = [import_module(f"{wrong_solutions.__name__}.{module.name}")
+           for module in pkgutil.iter_modules(wrong_solutions.__path__) if module.name != "solutions"]
+RUN_THE_MODEL = set().union(*(getattr(module, "RUN_THE_MODEL", set()) for module in MODULES)) | {
+    "05.allocate", "06.schedule", "07.computed_blocks", "07.predict_cached", "08b.paged_decode",
+    "09.verify_greedy", "09.verify_sampled", "11.shard_column", "11.shard_row", "11.shard_qkv",
+    "12.cached_prefix_tokens", "90.dequantize_q4_1", "90.unpermute"}
 
 
 def all_exercises():
@@ -32,8 +40,15 @@ def all_exercises():
     return sorted(exercises.EXERCISES)
 
 
-WRONG = {name: wrong for module in (ch00_04, ch05, ch06, ch07, ch08, ch08b, ch09, ch10, ch11_90)
-         for name, wrong in module.WRONG.items() if name in all_exercises()}  # chapter 8b's, once it is there
+def _merged() -> dict:
+    merged: dict = {}
+    for module in MODULES:
+        for name, wrong in module.WRONG.items():
+            merged.setdefault(name, []).extend(wrong)
+    return merged
+
+
+WRONG = _merged()
 
 
 def test_every_exercise_has_wrong_solutions():
@@ -42,18 +57,36 @@ def test_every_exercise_has_wrong_solutions():
     assert all(len(WRONG[name]) >= 2 for name in WRONG)
 
 
+def test_every_wrong_solution_names_an_exercise_that_exists():
+    unknown = set(WRONG) - set(all_exercises())
+    assert not unknown, f"tests/wrong_solutions/ has answers to exercises no check knows: {sorted(unknown)}"
+
+
 @pytest.mark.parametrize("name", sorted(set(all_exercises()) - IN_A_FRESH_PROCESS - RUN_THE_MODEL))
 def test_the_solution_notebooks_answer_passes(name):
     passed, report = exercises.run_checks(name, solution(name))
     assert passed, "\n".join(report)
 
 
-@pytest.mark.parametrize("name, wrong", [(name, wrong) for name in sorted(WRONG) for wrong in WRONG[name]],
+@pytest.mark.parametrize("name, wrong", [(name, wrong) for name in sorted(set(WRONG) & set(all_exercises()))
+                                         for wrong in WRONG[name]],
                          ids=lambda value: getattr(value, "__name__", value))
 def test_a_wrong_answer_fails(name, wrong):
     passed, report = exercises.run_checks(name, wrong, stop_at_failure=True)
     assert not passed, f"{wrong.__name__} passed {name}"
     assert any(line.startswith("✗ ") for line in report)
+
+
+def test_a_check_reports_a_measurement_beside_its_verdict():
+    """A note is printed under the test that made it, marked ⏱, and is no verdict: verdict() leaves it out."""
+    exercises.EXERCISES["00.noted"] = lambda: [("measured", lambda f: exercises.note(f"took {f()} s"))]
+    try:
+        exercises.check("00.noted", lambda: 3)
+        assert exercises.RESULTS["00.noted"] == (True, ["✓ measured", "  ⏱ took 3 s",
+                                                        "00.noted: all 1 checks passed"])
+        assert exercises.verdict("00.noted") == "00.noted: all 1 checks passed"
+    finally:
+        del exercises.EXERCISES["00.noted"]
 
 
 def test_a_hard_coded_answer_fails_under_another_seed(monkeypatch):

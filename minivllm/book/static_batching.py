@@ -24,6 +24,17 @@ def _batch_requests(model, prompts, params, tokenizer, max_len):
     return all_params, checkers, max_len
 
 
+def static_step(prompts: list[list[int]], outputs: list[list[int]], finished: list[bool]):
+    """The slot bookkeeping of one step of a static batch: (rows, new_tokens, num_cached) for the requests still
+    running, in request order. Request i owns cache row i for the whole batch. Its first step brings its whole
+    prompt into slots 0.. of the row; every later step brings its last sampled token, whose key and value go to
+    the slot after those already written (the sampled token's own slot is written by the step that feeds it)."""
+    rows = [i for i, done in enumerate(finished) if not done]
+    new_tokens = [outputs[i][-1:] if outputs[i] else list(prompts[i]) for i in rows]
+    num_cached = [len(prompts[i]) + len(outputs[i]) - 1 if outputs[i] else 0 for i in rows]
+    return rows, new_tokens, num_cached
+
+
 def generate_static_batch(model, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                           tokenizer=None, max_len: int | None = None) -> list[Completion]:
     """Generate for a fixed batch of prompts together, each in its own cache row of max_len slots.
@@ -36,25 +47,19 @@ def generate_static_batch(model, prompts: list[list[int]], params: SamplingParam
     device = model.lm_head.weight.device
     cache = ContiguousKVCache.for_model(model, max_seqs=len(prompts), max_len=max_len)
     generators = [None if p.seed is None else torch.Generator(device).manual_seed(p.seed) for p in all_params]
-    new_tokens = [list(prompt) for prompt in prompts]
-    num_cached = [0] * len(prompts)
     outputs, times, reasons = [[] for _ in prompts], [[] for _ in prompts], {}
-    running = list(range(len(prompts)))  # request i owns cache row i for the whole batch
     start = time.perf_counter()
-    while running:
-        step = ContiguousCacheAttention.for_step(cache, running, [new_tokens[i] for i in running],
-                                                 [num_cached[i] for i in running])
-        last_rows = torch.tensor([len(new_tokens[i]) for i in running], device=device).cumsum(0) - 1
+    while len(reasons) < len(prompts):
+        rows, new_tokens, num_cached = static_step(prompts, outputs, [i in reasons for i in range(len(prompts))])
+        step = ContiguousCacheAttention.for_step(cache, rows, new_tokens, num_cached)
+        last_rows = torch.tensor([len(tokens) for tokens in new_tokens], device=device).cumsum(0) - 1
         logits = model.compute_logits(model(*step)[last_rows])
-        for i, row_logits in zip(running, logits):
+        for i, row_logits in zip(rows, logits):
             token = sample_token(row_logits, all_params[i], generators[i])
             times[i].append(time.perf_counter())
             outputs[i].append(token)
-            num_cached[i] += len(new_tokens[i])
-            new_tokens[i] = [token]
             reason = checkers[i].finish_reason(outputs[i])
             if reason:
                 reasons[i] = reason
-        running = [i for i in running if i not in reasons]
     return [Completion(list(prompt), outputs[i], checkers[i].text(outputs[i]), reasons[i], start, times[i])
             for i, prompt in enumerate(prompts)]

@@ -11,6 +11,10 @@ Randomised cases draw from `case_random(...)`, seeded by the environment variabl
 unset): a grader reruns them with another seed (`python -m minivllm grade --seed N`), so an answer that
 hard-codes the cases a notebook printed fails. When MINIVLLM_CHECK_RECORD names a file, `check` also appends
 one JSON line per call to it ({"name", "passed", "report"}): that is how the grader collects results.
+
+A test may also `note(...)` a line that is a report, not a verdict (the speed of the reader's kernel against
+the engine's): it follows the test's own line, marked ⏱. `verdict(name)` is the last call's summary line without
+those notes, for a cell whose check prints timings that move from run to run.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from typing import Callable
 import torch
 
 EXERCISES: dict[str, Callable] = {}
+RESULTS: dict[str, tuple[bool, list[str]]] = {}  # the last check of each exercise in this process
+_NOTES: list[str] = []
 SEED_VARIABLE = "MINIVLLM_CHECK_SEED"
 RECORD_VARIABLE = "MINIVLLM_CHECK_RECORD"
 
@@ -98,6 +104,18 @@ def forbidden_calls(functions, rule: str):
         raise CheckFailed(f"{called[0]} was called: {rule}")
 
 
+def note(line: str) -> None:
+    """Add a report line to the test that is running (a measurement, not a pass or a fail)."""
+    _NOTES.append(line)
+
+
+def verdict(name: str) -> str:
+    """The summary line of the last check(name, ...) in this process, e.g. '03.cache_attend: all 6 checks passed'."""
+    if name not in RESULTS:
+        return f"{name}: never checked"
+    return RESULTS[name][1][-1]
+
+
 def _load_chapters() -> None:
     for module in pkgutil.iter_modules(__path__):
         if module.name.startswith("ch"):
@@ -113,6 +131,7 @@ def run_checks(name: str, candidate, stop_at_failure: bool = False) -> tuple[boo
     cases = list(EXERCISES[name]())
     report, passed = [], 0
     for description, test in cases:
+        _NOTES.clear()
         try:
             test(candidate)
         except NotImplementedError:
@@ -125,6 +144,7 @@ def run_checks(name: str, candidate, stop_at_failure: bool = False) -> tuple[boo
         else:
             passed += 1
             report.append(f"✓ {description}")
+            report.extend(f"  ⏱ {line}" for line in _NOTES)
             continue
         if stop_at_failure:
             return False, report + [f"{name}: stopped at the first failed check"]
@@ -135,6 +155,7 @@ def run_checks(name: str, candidate, stop_at_failure: bool = False) -> tuple[boo
 def check(name: str, candidate) -> None:
     """Run exercise `name`'s behaviour tests against `candidate` and print what passed, what failed and why."""
     passed, report = run_checks(name, candidate)
+    RESULTS[name] = passed, report
     record = os.environ.get(RECORD_VARIABLE)
     if record:
         with open(record, "a", encoding="utf-8") as file:

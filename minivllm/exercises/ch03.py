@@ -38,24 +38,101 @@ def by_hand():
         yield
 
 
-@exercise("03.kv_cache_bytes")
-def _kv_cache_bytes():
-    def case(hf_config, num_tokens, dtype_bytes, want):
-        def test(kv_cache_bytes):
-            got = kv_cache_bytes(dict(hf_config), num_tokens, dtype_bytes)
-            expect(got == want, f"{num_tokens} tokens, {dtype_bytes}-byte dtype: {got!r}, expected {want:,}")
+def _reader_backend(cache_attend):
+    """Chapter 3's backend with the reader's write-and-attend in place of its own."""
+    from minivllm.book.contiguous_cache import ContiguousCacheAttention
+
+    class ReaderCacheAttention(ContiguousCacheAttention):
+        def attend(self, layer, q, k, v):
+            out = cache_attend(self.cache, layer, list(self.rows), list(self.num_cached), list(self.num_new), q, k, v)
+            expect(isinstance(out, torch.Tensor) and out.shape == q.shape,
+                   f"cache_attend returned {getattr(out, 'shape', type(out).__name__)}, expected a tensor shaped "
+                   f"like q, {tuple(q.shape)}")
+            return out
+
+    return ReaderCacheAttention
+
+
+def _model():
+    from minivllm import load_model
+
+    return load_model()
+
+
+@exercise("03.cache_attend")
+def _cache_attend():
+    from minivllm.book import contiguous_cache
+    from minivllm.book.contiguous_cache import ContiguousKVCache
+    from minivllm.exercises.harness import GREEDY_PROMPTS, first_divergence, report_speed, swapped
+    from minivllm.exercises.harness import transformers_greedy, transformers_model
+    from minivllm.sampling_params import SamplingParams
+
+    model, tokenizer = _model()
+
+    def greedy(cache_attend):
+        prompts, max_tokens = GREEDY_PROMPTS[:2], 20
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        run = lambda: [contiguous_cache.generate_cached(model, tokenizer(p).input_ids, params) for p in prompts]
+        with swapped(contiguous_cache, "ContiguousCacheAttention", _reader_backend(cache_attend)):
+            got = [c.token_ids for c in run()]
+        problem = first_divergence(got, transformers_greedy(prompts, max_tokens), prompts)
+        expect(problem is None, problem)
+        with torch.inference_mode():
+            def yours():
+                with swapped(contiguous_cache, "ContiguousCacheAttention", _reader_backend(cache_attend)):
+                    run()
+            report_speed(f"generate_cached with your cache, {len(prompts)} prompts x {max_tokens} tokens",
+                         yours, run)
+
+    def steps(plan, seed):
+        """plan: per step, (sequence, number of new tokens) in batch order; sequence i owns row rows[i] of a cache
+        whose rows hold exactly the longest sequence, its slots past each sequence full of junk."""
+        def test(cache_attend):
+            gen = torch.Generator().manual_seed(case_seed(seed))
+            lengths = {}
+            for step in plan:
+                for seq, new in step:
+                    lengths[seq] = lengths.get(seq, 0) + new
+            sequences = {seq: torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist()
+                         for seq, n in lengths.items()}
+            rows = torch.randperm(len(sequences), generator=gen).tolist()
+            cache = ContiguousKVCache.for_model(model, max_seqs=len(sequences), max_len=max(lengths.values()))
+            cache.k.normal_(0, 30, generator=gen)
+            cache.v.normal_(0, 30, generator=gen)
+            backend = _reader_backend(cache_attend)
+            with torch.no_grad():
+                want = {seq: transformers_model()(torch.tensor([ids]), use_cache=False).logits[0]
+                        for seq, ids in sequences.items()}
+                done = {seq: 0 for seq in sequences}
+                for number, step in enumerate(plan):
+                    new_tokens = [sequences[seq][done[seq]:done[seq] + new] for seq, new in step]
+                    hidden = model(*backend.for_step(cache, [rows[seq] for seq, _ in step], new_tokens,
+                                                     [done[seq] for seq, _ in step]))
+                    logits, start = model.compute_logits(hidden), 0
+                    for seq, new in step:
+                        error = (logits[start:start + new] - want[seq][done[seq]:done[seq] + new]).abs().max().item()
+                        expect(error < 1e-3, f"step {number}: sequence {seq} (row {rows[seq]}, tokens {done[seq]}.."
+                                             f"{done[seq] + new - 1}): logits differ from transformers' by {error:.2e}")
+                        start, done[seq] = start + new, done[seq] + new
         return test
 
-    llama3_8b = dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8)
-    qwen3_06b = dict(num_hidden_layers=28, hidden_size=1024, num_attention_heads=16, num_key_value_heads=8,
-                     head_dim=128)
-    opt_like = dict(num_hidden_layers=40, hidden_size=5120, num_attention_heads=40)
+    rng = case_random("03.cache_attend")
+    num_seqs = rng.randrange(1, 5)
+    drawn, left = [], {seq: rng.randrange(1, 30) for seq in range(num_seqs)}
+    while any(left.values()):
+        step = [(seq, min(left[seq], rng.choice([1, 1, 3, 8]))) for seq in rng.sample(range(num_seqs), num_seqs)
+                if left[seq]]
+        for seq, new in step:
+            left[seq] -= new
+        drawn.append(step)
     return [
-        ("Llama-3-8B, one token in bf16 (head_dim from hidden_size)", case(llama3_8b, 1, 2, 131_072)),
-        ("Llama-3-8B, 2,048 tokens in fp32", case(llama3_8b, 2048, 4, 2048 * 262_144)),
-        ("Qwen3-0.6B: head_dim is given and differs from hidden / heads", case(qwen3_06b, 10, 2, 10 * 114_688)),
-        ("no num_key_value_heads means multi-head attention", case(opt_like, 1, 2, 819_200)),
-        ("a missing head_dim with num_key_value_heads given", case(dict(llama3_8b, hidden_size=2048), 3, 2, 3 * 65_536)),
+        ("greedy generation with your cache: every token is transformers'", greedy),
+        ("a prefill, then decodes, one sequence", steps([[(0, 9)], [(0, 1)], [(0, 1)], [(0, 1)]], 1)),
+        ("a one-token prompt", steps([[(0, 1)], [(0, 1)]], 2)),
+        ("a prompt in two chunks, the second over the cached first", steps([[(0, 6)], [(0, 7)], [(0, 1)]], 3)),
+        ("a mixed step: decodes beside a prefill and a chunk, rows out of order, the last slot of a row filled",
+         steps([[(1, 5), (0, 8)], [(0, 1), (2, 4), (1, 6)], [(2, 1), (1, 1), (0, 1)], [(1, 1), (0, 1)]], 4)),
+        (f"random: {num_seqs} sequences in {len(drawn)} steps", steps(drawn, rng.randrange(1000))),
     ]
 
 

@@ -9,6 +9,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from minivllm.exercises import CheckFailed, case_random, case_seed, close, exercise, expect
+from minivllm.exercises.harness import engine_greedy_matches_transformers, first_divergence, report_speed
+from minivllm.exercises.harness import transformers_greedy as _transformers_greedy  # noqa: F401 (chapter 9's)
 
 
 def _attention(q, k, v):
@@ -217,65 +219,40 @@ def _paged_decode_batch(seq_lens, block_size, num_heads, num_kv_heads, head_dim=
     return metadata, q, metadata.attend(0, q, k, v)  # the reference writes this step's k, v, then attends
 
 
-_GREEDY_PROMPTS = ["ROMEO:\n", "First Citizen:\nWe are accounted poor citizens, the patricians good.\n",
-                   "To be, or not to be"]
-_GREEDY_TOKENS = 12
+def _reference_tile_update():
+    """The engine's own tile update (the kernels' online-softmax step), for the speed report."""
+    import triton.language as tl
 
+    def tile_update(m, l, acc, scores, v):
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        return m_new, l * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p, v)
 
-def _transformers_greedy(prompts, max_tokens):
-    """transformers' greedy tokens for each prompt, with the embedded model: the ground truth."""
-    from transformers import AutoModelForCausalLM
-
-    from minivllm.model.loader import DEFAULT_MODEL
-
-    key = (tuple(prompts), max_tokens)
-    if key not in _HF_CACHE:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
-        model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
-        expected = []
-        for text in prompts:
-            ids = tokenizer(text, return_tensors="pt").input_ids
-            with torch.no_grad():
-                out = model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
-            expected.append(out[0, ids.shape[1]:].tolist())
-        _HF_CACHE[key] = expected
-    return _HF_CACHE[key]
-
-
-_HF_CACHE: dict = {}
-
-
-def first_divergence(got: list[list[int]], expected: list[list[int]], prompts) -> str | None:
-    """'request i (prompt ...): token j is x, transformers says y' for the first request that differs."""
-    for i, (tokens, want) in enumerate(zip(got, expected)):
-        if list(tokens) != want:
-            j = next((j for j, (a, b) in enumerate(zip(tokens, want)) if a != b), min(len(tokens), len(want)))
-            mine = tokens[j] if j < len(tokens) else "missing"
-            return (f"request {i} (prompt {prompts[i][:24]!r}) diverged at generated token {j}: {mine}, "
-                    f"transformers says {want[j] if j < len(want) else 'nothing more'}")
-    return None
+    return tile_update
 
 
 @exercise("08.tile_update")
 def _tile_update():
-    def against_reference(seq_lens, block_size, group, block_n, seed):
+    def against_reference(seq_lens, block_size, group, block_n, seed, timed=False):
         def test(tile_update):
             ref, q, expected = _paged_decode_batch(seq_lens, block_size, 2 * group, 2, seed=seed)
             k_cache, v_cache = ref.kv_cache.layer(0)
-            got = _run_tile_update(tile_update, q, k_cache, v_cache, ref.block_tables, ref.seq_lens, block_n=block_n)
+            run = lambda update: _run_tile_update(update, q, k_cache, v_cache, ref.block_tables, ref.seq_lens,
+                                                  block_n=block_n)
+            got = run(tile_update)
             expect(isinstance(got, torch.Tensor), "the kernel did not produce a tensor")
             for i, n in enumerate(seq_lens):
                 error = (got[i] - expected[i]).abs().max().item()
                 expect(error < 1e-4, f"sequence {i} ({n} keys, tiles of {block_n}, blocks of {block_size}): "
                                      f"max abs difference {error:.2e} from chapter 5's reference")
+            if timed:
+                report_speed("the kernel with your tile update, in the interpreter", lambda: run(tile_update),
+                             lambda: run(_reference_tile_update()))
         return test
 
     def engine_greedy(tile_update):
         from minivllm.attention.paged import PagedAttention
-        from minivllm.entrypoints.llm import LLM
-        from minivllm.sampling_params import SamplingParams
 
         class ReaderDecodeAttention(PagedAttention):
             """Chapter 5's backend whose decodes go through the exercise kernel with the reader's tile update."""
@@ -283,19 +260,13 @@ def _tile_update():
             def _decode(self, q, k_cache, v_cache, block_tables, seq_lens):
                 return _run_tile_update(tile_update, q, k_cache, v_cache, block_tables, seq_lens, block_n=16)
 
-        llm = LLM(num_kv_blocks=32, attention_backend="torch", device="cpu")
-        llm.engine.model_runner.backend = ReaderDecodeAttention
-        params = SamplingParams(temperature=0, max_tokens=_GREEDY_TOKENS, ignore_eos=True)
-        outputs = llm.generate(_GREEDY_PROMPTS, params, use_tqdm=False)
-        problem = first_divergence([o.outputs[0].token_ids for o in outputs],
-                                   _transformers_greedy(_GREEDY_PROMPTS, _GREEDY_TOKENS), _GREEDY_PROMPTS)
-        expect(problem is None, problem)
+        engine_greedy_matches_transformers(ReaderDecodeAttention)
 
     return [
         ("one tile, one key (the running max starts at -inf)", against_reference([1, 7], 4, 1, 16, 0)),
         ("several tiles over scattered blocks, 2 query heads per kv head",
          against_reference([5, 16, 17, 50], 4, 2, 16, 1)),
         ("tiles that span blocks, partly filled last tiles, 4 query heads per kv head",
-         against_reference([31, 64, 70], 8, 4, 16, 2)),
+         against_reference([31, 64, 70], 8, 4, 16, 2, timed=True)),
         ("the engine's greedy decode with your kernel matches transformers, 3 requests x 12 tokens", engine_greedy),
     ]

@@ -4,8 +4,8 @@ computation written with tensors, checked against chapter 5's reference and, in 
 import torch
 
 from minivllm.exercises import exercise, expect
-from minivllm.exercises.ch08 import (_GREEDY_PROMPTS, _GREEDY_TOKENS, _paged_decode_batch, _transformers_greedy,
-                                     first_divergence)
+from minivllm.exercises.ch08 import _paged_decode_batch
+from minivllm.exercises.harness import engine_greedy_matches_transformers, report_speed
 
 
 def _kinds(query_start_loc, seq_lens):
@@ -48,40 +48,39 @@ def _as_output(got, q):
 
 @exercise("08b.paged_decode")
 def _paged_decode():
-    def against_reference(seq_lens, block_size, group, seed):
+    def against_reference(seq_lens, block_size, group, seed, timed=False):
         def test(paged_decode_torch):
             ref, q, expected = _paged_decode_batch(seq_lens, block_size, 2 * group, 2, seed=seed)
             k_cache, v_cache = ref.kv_cache.layer(0)
-            got = _as_output(paged_decode_torch(q, k_cache, v_cache, ref.block_tables, ref.seq_lens), q)
+            args = q, k_cache, v_cache, ref.block_tables, ref.seq_lens
+            got = _as_output(paged_decode_torch(*args), q)
             for i, n in enumerate(seq_lens):
                 error = (got[i] - expected[i]).abs().max().item()
                 expect(error < 1e-4, f"sequence {i} of {n} tokens (blocks of {block_size}, query heads per kv "
                                      f"head: {group}): max abs difference {error:.2e} from chapter 5's reference")
+            if timed:
+                from minivllm.attention.cpu_backend import CPUPagedAttention
+
+                report_speed("your decode against the CPU backend's kernel, 5 repeats",
+                             lambda: [paged_decode_torch(*args) for _ in range(5)],
+                             lambda: [CPUPagedAttention.decode(*args) for _ in range(5)])
         return test
 
     def engine_greedy(paged_decode_torch):
         from minivllm.attention.cpu_backend import CPUPagedAttention
-        from minivllm.entrypoints.llm import LLM
-        from minivllm.sampling_params import SamplingParams
 
         class ReaderCPUAttention(CPUPagedAttention):
             """The CPU backend with the reader's function as its decode kernel."""
 
             decode = staticmethod(paged_decode_torch)
 
-        llm = LLM(num_kv_blocks=32, attention_backend="torch", device="cpu")
-        llm.engine.model_runner.backend = ReaderCPUAttention
-        params = SamplingParams(temperature=0, max_tokens=_GREEDY_TOKENS, ignore_eos=True)
-        outputs = llm.generate(_GREEDY_PROMPTS, params, use_tqdm=False)
-        problem = first_divergence([o.outputs[0].token_ids for o in outputs],
-                                   _transformers_greedy(_GREEDY_PROMPTS, _GREEDY_TOKENS), _GREEDY_PROMPTS)
-        expect(problem is None, problem)
+        engine_greedy_matches_transformers(ReaderCPUAttention)
 
     return [
         ("one sequence of one token", against_reference([1], 4, 1, 0)),
         ("lengths at block edges, one query head per kv head", against_reference([3, 4, 5, 13], 4, 1, 1)),
         ("blocks of one token, 2 query heads per kv head", against_reference([1, 6, 9], 1, 2, 2)),
         ("a short sequence beside a long one (no padding may leak in), 4 query heads per kv head",
-         against_reference([2, 70], 8, 4, 3)),
+         against_reference([2, 70], 8, 4, 3, timed=True)),
         ("the engine's greedy decode with your kernel matches transformers, 3 requests x 12 tokens", engine_greedy),
     ]

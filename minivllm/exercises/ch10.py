@@ -74,20 +74,91 @@ def _sendable_text():
     ]
 
 
+def _latencies(sent, pieces):
+    """Written apart from the load generator's: pieces are (arrival, tokens it brought)."""
+    arrivals, num_tokens = [t for t, _ in pieces], sum(n for _, n in pieces)
+    tpot = (arrivals[-1] - arrivals[0]) / (num_tokens - 1) if num_tokens > 1 else None
+    return arrivals[0] - sent, tpot, [b - a for a, b in zip(arrivals, arrivals[1:])]
+
+
+async def _timed_requests(time_request, requests):
+    """Each request (prompt ids, SamplingParams, launch delay, slow) through a real AsyncLLM, timed by the
+    reader's function with a clock that stands still between the stream's events: the clock reads the moment
+    the last event was seen, so the exact answer is known. A slow reader gets every second output only (the
+    collector then hands over several tokens in one piece). Returns per request: the trace, the reader's
+    answer and the engine's own metrics."""
+    import asyncio
+    import time
+
+    from minivllm.engine.async_llm import AsyncLLM
+    from minivllm.entrypoints.llm import LLM
+
+    front = AsyncLLM(LLM(num_kv_blocks=64, device="cpu"))
+
+    async def one(prompt_ids, params, delay, slow):
+        await asyncio.sleep(delay)
+        now = [time.perf_counter()]
+        trace = {"sent": now[0], "pieces": [], "metrics": None}
+
+        async def stream():
+            seen, count = 0, 0
+            async for output in front.generate(prompt_ids, params):
+                count += 1
+                if slow and count % 2 and not output.finished:
+                    continue
+                now[0] = time.perf_counter()
+                tokens = len(output.outputs[0].token_ids)
+                if tokens > seen:
+                    trace["pieces"].append((now[0], tokens - seen))
+                seen, trace["metrics"] = tokens, output.metrics
+                yield output
+
+        answer = await time_request(stream(), lambda: now[0])
+        return trace, answer
+
+    try:
+        return await asyncio.gather(*(one(*request) for request in requests))
+    finally:
+        await front.shutdown()
+
+
 @exercise("10.request_latencies")
 def _request_latencies():
-    def case(sent, arrivals, tokens, want, what):
-        def test(request_latencies):
-            ttft, tpot, itls = request_latencies(sent, list(arrivals), tokens)
-            expect(abs(ttft - want[0]) < 1e-9, f"{what}: TTFT {ttft}, expected {want[0]}")
-            expect((tpot is None) == (want[1] is None) and (tpot is None or abs(tpot - want[1]) < 1e-9),
-                   f"{what}: TPOT {tpot}, expected {want[1]}")
-            expect(len(itls) == len(want[2]) and all(abs(a - b) < 1e-9 for a, b in zip(itls, want[2])),
-                   f"{what}: ITLs {itls}, expected {want[2]}")
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from minivllm import SamplingParams
+
+    def case(requests):
+        """requests: (prompt length, tokens, launch delay in seconds, slow reader)."""
+        def test(time_request):
+            jobs = [(list(range(5, 5 + n)), SamplingParams(temperature=0, max_tokens=t, ignore_eos=True), d, slow)
+                    for n, t, d, slow in requests]
+            with ThreadPoolExecutor(1) as pool:  # a loop of its own: a notebook's cell runs inside one already
+                results = pool.submit(asyncio.run, _timed_requests(time_request, jobs)).result()
+            for i, (trace, answer) in enumerate(results):
+                what = f"request {i} ({requests[i][1]} tokens in {len(trace['pieces'])} pieces)"
+                expect(isinstance(answer, tuple) and len(answer) == 3, f"{what}: return (ttft, tpot, itls)")
+                ttft, tpot, itls = answer
+                want = _latencies(trace["sent"], trace["pieces"])
+                expect(isinstance(ttft, float) and abs(ttft - want[0]) < 1e-9,
+                       f"{what}: TTFT {ttft}, expected {want[0]:.6f}")
+                expect(ttft >= trace["metrics"].ttft, f"{what}: TTFT {ttft:.4f} s, shorter than the engine's own "
+                                                      f"(first token - arrival: {trace['metrics'].ttft:.4f} s)")
+                expect((tpot is None) == (want[1] is None) and (tpot is None or abs(tpot - want[1]) < 1e-9),
+                       f"{what}: TPOT {tpot}, expected {want[1]}")
+                expect(len(list(itls)) == len(want[2]) and all(abs(a - b) < 1e-9 for a, b in zip(itls, want[2])),
+                       f"{what}: {len(list(itls))} ITLs {[round(x, 4) for x in itls][:4]}, expected {len(want[2])} "
+                       f"{[round(x, 4) for x in want[2]][:4]}")
         return test
 
+    rng = case_random("10.request_latencies")
+    drawn = [(rng.randrange(1, 40), rng.randrange(1, 12), rng.random() * 0.2, rng.random() < 0.5) for _ in range(4)]
     return [
-        ("one piece per token", case(0.0, [0.5, 0.6, 0.8], 3, (0.5, 0.15, [0.1, 0.2]), "3 tokens")),
-        ("pieces of several tokens", case(10.0, [10.2, 11.0], 5, (0.2, 0.2, [0.8]), "5 tokens in 2 pieces")),
-        ("a single token has no TPOT", case(1.0, [1.25], 1, (0.25, None, []), "1 token")),
+        ("one request, one token a piece", case([(8, 6, 0.0, False)])),
+        ("a single token has no TPOT and no ITL", case([(8, 1, 0.0, False)])),
+        ("a slow reader: pieces of several tokens (TPOT counts tokens, ITLs pieces)", case([(8, 9, 0.0, True)])),
+        ("four requests at once, of 1, 3, 8 and 16 tokens", case([(5, 1, 0, False), (20, 3, 0, True),
+                                                                 (3, 8, 0, False), (30, 16, 0, True)])),
+        (f"random: {len(drawn)} requests launched at random moments", case(drawn)),
     ]

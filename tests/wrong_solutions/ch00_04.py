@@ -78,42 +78,105 @@ def top_p_sorted_output(probs, top_p):
     return kept / kept.sum()
 
 
-def intensity_weights_only(tokens, d_in, d_out, bytes_per_element):
-    return 2 * tokens * d_in * d_out / (bytes_per_element * d_in * d_out)
+def _stop_hits(text, start, stop_strings):
+    return [(text.find(s, start), len(s)) for s in stop_strings if text.find(s, start) >= 0]
 
 
-def intensity_no_factor_two(tokens, d_in, d_out, bytes_per_element):
-    return tokens * d_in * d_out / (bytes_per_element * (d_in * d_out + tokens * d_in + tokens * d_out))
+def find_stop_no_look_back(text, searched, stop_strings, include_stop_str_in_output):  # only the new text
+    hits = _stop_hits(text, searched, stop_strings)
+    return None if not hits else min(hits)[0] + (min(hits)[1] if include_stop_str_in_output else 0)
 
 
-def ttft_tpot_divides_by_tokens(arrival, token_times):
-    ttft = token_times[0] - arrival
-    return ttft, ((token_times[-1] - token_times[0]) / len(token_times)) if len(token_times) > 1 else None
+def find_stop_looks_back_one_too_few(text, searched, stop_strings, include_stop_str_in_output):
+    start = max(0, searched - max(len(s) for s in stop_strings) + 2)
+    hits = _stop_hits(text, start, stop_strings)
+    return None if not hits else min(hits)[0] + (min(hits)[1] if include_stop_str_in_output else 0)
 
 
-def ttft_tpot_from_arrival(arrival, token_times):
-    ttft = token_times[0] - arrival
-    return ttft, ((token_times[-1] - arrival) / len(token_times)) if len(token_times) > 1 else None
+def find_stop_first_listed(text, searched, stop_strings, include_stop_str_in_output):  # not the earliest
+    start = max(0, searched - max(len(s) for s in stop_strings) + 1)
+    for stop in stop_strings:
+        position = text.find(stop, start)
+        if position >= 0:
+            return position + len(stop) if include_stop_str_in_output else position
+    return None
 
 
-def kv_bytes_keys_only(hf_config, num_tokens, dtype_bytes):
-    heads = hf_config["num_attention_heads"]
-    kv_heads = hf_config.get("num_key_value_heads") or heads
-    head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // heads
-    return hf_config["num_hidden_layers"] * kv_heads * head_dim * dtype_bytes * num_tokens
+def find_stop_ignores_include(text, searched, stop_strings, include_stop_str_in_output):
+    hits = _stop_hits(text, max(0, searched - max(len(s) for s in stop_strings) + 1), stop_strings)
+    return min(hits)[0] if hits else None
 
 
-def kv_bytes_all_heads(hf_config, num_tokens, dtype_bytes):  # GQA ignored
-    heads = hf_config["num_attention_heads"]
-    head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // heads
-    return 2 * hf_config["num_hidden_layers"] * heads * head_dim * dtype_bytes * num_tokens
+def find_stop_searches_everything(text, searched, stop_strings, include_stop_str_in_output):  # every time
+    hits = [(text.find(s), len(s)) for s in stop_strings if s in text]
+    return None if not hits else min(hits)[0] + (min(hits)[1] if include_stop_str_in_output else 0)
 
 
-def kv_bytes_head_dim_from_hidden(hf_config, num_tokens, dtype_bytes):
-    heads = hf_config["num_attention_heads"]
-    kv_heads = hf_config.get("num_key_value_heads") or heads
-    head_dim = hf_config["hidden_size"] // heads
-    return 2 * hf_config["num_hidden_layers"] * kv_heads * head_dim * dtype_bytes * num_tokens
+def find_stop_longest_at_a_tie(text, searched, stop_strings, include_stop_str_in_output):
+    hits = [(p, -n) for p, n in _stop_hits(text, max(0, searched - max(len(s) for s in stop_strings) + 1),
+                                          stop_strings)]
+    return None if not hits else min(hits)[0] - (min(hits)[1] if include_stop_str_in_output else 0)
+
+
+def settle_without_context(decode, token_ids, prefix_offset, read_offset):  # the new tokens decoded alone
+    text = decode(token_ids[read_offset:])
+    if text and not text.endswith("\ufffd"):
+        return text, read_offset, len(token_ids)
+    return "", prefix_offset, read_offset
+
+
+def settle_partial_characters(decode, token_ids, prefix_offset, read_offset):  # U+FFFD goes out
+    context, tail = decode(token_ids[prefix_offset:read_offset]), decode(token_ids[prefix_offset:])
+    if len(tail) > len(context):
+        return tail[len(context):], read_offset, len(token_ids)
+    return "", prefix_offset, read_offset
+
+
+def settle_from_the_start(decode, token_ids, prefix_offset, read_offset):  # right text, all decoded every time
+    context, tail = decode(token_ids[:read_offset]), decode(token_ids)
+    if len(tail) > len(context) and not tail.endswith("\ufffd"):
+        return tail[len(context):], 0, len(token_ids)
+    return "", 0, read_offset
+
+
+def settle_read_offset_one_short(decode, token_ids, prefix_offset, read_offset):
+    context, tail = decode(token_ids[prefix_offset:read_offset]), decode(token_ids[prefix_offset:])
+    if len(tail) > len(context) and not tail.endswith("\ufffd"):
+        return tail[len(context):], read_offset, len(token_ids) - 1
+    return "", prefix_offset, read_offset
+
+
+def _cache_attend(cache, layer, rows, num_cached, num_new, q, k, v, write_at=0, read=None, row_of=None):
+    from minivllm.attention.base import causal_attention
+
+    outputs, start = [], 0
+    for i, (row, cached, new) in enumerate(zip(rows, num_cached, num_new)):
+        row = i if row_of == "batch index" else row
+        span = slice(start, start + new)
+        cache.k[layer, row, cached + write_at:cached + write_at + new] = k[span]
+        cache.v[layer, row, cached + write_at:cached + write_at + new] = v[span]
+        end = cache.max_len if read == "whole row" else cached + new
+        keys, values = (k[span], v[span]) if read == "new only" else (cache.k[layer, row, :end],
+                                                                       cache.v[layer, row, :end])
+        outputs.append(causal_attention(q[span], keys, values))
+        start += new
+    return torch.cat(outputs)
+
+
+def cache_attend_writes_one_slot_late(cache, layer, rows, num_cached, num_new, q, k, v):
+    return _cache_attend(cache, layer, rows, num_cached, num_new, q, k, v, write_at=1)
+
+
+def cache_attend_reads_the_whole_row(cache, layer, rows, num_cached, num_new, q, k, v):  # stale slots read
+    return _cache_attend(cache, layer, rows, num_cached, num_new, q, k, v, read="whole row")
+
+
+def cache_attend_never_reads_the_cache(cache, layer, rows, num_cached, num_new, q, k, v):
+    return _cache_attend(cache, layer, rows, num_cached, num_new, q, k, v, read="new only")
+
+
+def cache_attend_row_by_batch_position(cache, layer, rows, num_cached, num_new, q, k, v):
+    return _cache_attend(cache, layer, rows, num_cached, num_new, q, k, v, row_of="batch index")
 
 
 def decode_attention_sdpa(q, k_cache, v_cache, length):
@@ -143,14 +206,27 @@ def decode_attention_unscaled(q, k_cache, v_cache, length):
     return (((k @ q[:, :, None])[:, :, 0]).softmax(-1)[:, None, :] @ v)[:, 0, :]
 
 
-def slot_states_internal_from_stored(running, budget):
-    return dict(token_states=sum(s for _, s, _ in running), reservation=sum(f - s for _, s, f in running),
-                internal=sum(r - s for r, s, _ in running), free=budget - sum(r for r, _, _ in running))
+def static_step_finished_keep_running(prompts, outputs, finished):
+    rows = list(range(len(prompts)))
+    return (rows, [outputs[i][-1:] if outputs[i] else list(prompts[i]) for i in rows],
+            [len(prompts[i]) + len(outputs[i]) - 1 if outputs[i] else 0 for i in rows])
 
 
-def slot_states_free_after_tokens(running, budget):
-    return dict(token_states=sum(s for _, s, _ in running), reservation=sum(f - s for _, s, f in running),
-                internal=sum(r - f for r, _, f in running), free=budget - sum(s for _, s, _ in running))
+def static_step_skips_a_slot(prompts, outputs, finished):  # the sampled token's own slot counted as written
+    rows = [i for i, done in enumerate(finished) if not done]
+    return (rows, [outputs[i][-1:] if outputs[i] else list(prompts[i]) for i in rows],
+            [len(prompts[i]) + len(outputs[i]) if outputs[i] else 0 for i in rows])
+
+
+def static_step_rows_renumbered(prompts, outputs, finished):  # the running requests packed into rows 0, 1, ...
+    running = [i for i, done in enumerate(finished) if not done]
+    return (list(range(len(running))), [outputs[i][-1:] if outputs[i] else list(prompts[i]) for i in running],
+            [len(prompts[i]) + len(outputs[i]) - 1 if outputs[i] else 0 for i in running])
+
+
+def static_step_recomputes(prompts, outputs, finished):  # the whole sequence every step: no use of the cache
+    rows = [i for i, done in enumerate(finished) if not done]
+    return rows, [list(prompts[i]) + list(outputs[i]) for i in rows], [0 for _ in rows]
 
 
 def best_fit_first_fit(allocations, size, capacity):
@@ -185,11 +261,17 @@ WRONG = {
     "01.rms_norm": [rms_norm_eps_outside, rms_norm_layer_norm, rms_norm_no_weight],
     "01.apply_rope": [rope_interleaved, rope_ignores_positions],
     "01.top_p_filter": [top_p_drops_the_crossing_token, top_p_not_renormalised, top_p_sorted_output],
-    "02.linear_intensity": [intensity_weights_only, intensity_no_factor_two],
-    "02.ttft_tpot": [ttft_tpot_divides_by_tokens, ttft_tpot_from_arrival],
-    "03.kv_cache_bytes": [kv_bytes_keys_only, kv_bytes_all_heads, kv_bytes_head_dim_from_hidden],
+    "02.find_stop": [find_stop_no_look_back, find_stop_looks_back_one_too_few, find_stop_first_listed,
+                     find_stop_ignores_include, find_stop_searches_everything, find_stop_longest_at_a_tie],
+    "02.detokenize": [settle_without_context, settle_partial_characters, settle_from_the_start,
+                      settle_read_offset_one_short],
+    "03.cache_attend": [cache_attend_writes_one_slot_late, cache_attend_reads_the_whole_row,
+                        cache_attend_never_reads_the_cache, cache_attend_row_by_batch_position],
     "03.decode_attention": [decode_attention_sdpa, decode_attention_whole_cache, decode_attention_heads_tiled,
                             decode_attention_unscaled],
-    "04.slot_states": [slot_states_internal_from_stored, slot_states_free_after_tokens],
+    "04.static_step": [static_step_finished_keep_running, static_step_skips_a_slot, static_step_rows_renumbered,
+                       static_step_recomputes],
     "04.best_fit": [best_fit_first_fit, best_fit_no_tail, best_fit_ties_to_highest],
 }
+
+RUN_THE_MODEL = {"02.detokenize", "02.find_stop", "03.cache_attend", "04.static_step"}

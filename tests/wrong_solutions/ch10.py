@@ -47,21 +47,42 @@ def sendable_one_partial_only(text, finished, stop):
     return text[:max(0, len(text) - hold)]
 
 
-def latencies_divides_by_pieces(sent, arrivals, num_tokens):  # pieces counted instead of tokens
-    ttft = arrivals[0] - sent
-    tpot = (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1) if len(arrivals) > 1 else None
-    return ttft, tpot, [b - a for a, b in zip(arrivals, arrivals[1:])]
+async def _time(stream, clock, sent_after_first=False, tokens_are_pieces=False, tpot_over="n - 1", first_gap=False):
+    sent, arrivals, num_tokens, pieces = None if sent_after_first else clock(), [], 0, 0
+    async for output in stream:
+        tokens = len(output.outputs[0].token_ids)
+        if tokens > num_tokens:
+            arrivals.append(clock())
+            num_tokens, pieces = tokens, pieces + 1
+            sent = arrivals[0] if sent is None else sent
+    n = pieces if tokens_are_pieces else num_tokens
+    tpot = (arrivals[-1] - arrivals[0]) / (n - 1 if tpot_over == "n - 1" else n) if n > 1 else None
+    gaps = [b - a for a, b in zip([sent] + arrivals if first_gap else arrivals, arrivals)]
+    return arrivals[0] - sent, tpot, gaps
 
 
-def latencies_tpot_from_sent(sent, arrivals, num_tokens):
-    ttft = arrivals[0] - sent
-    tpot = (arrivals[-1] - sent) / num_tokens if num_tokens > 1 else None
-    return ttft, tpot, [b - a for a, b in zip(arrivals, arrivals[1:])]
+async def latencies_pieces_counted_as_tokens(stream, clock):
+    return await _time(stream, clock, tokens_are_pieces=True)
+
+
+async def latencies_sent_at_the_first_piece(stream, clock):
+    return await _time(stream, clock, sent_after_first=True)
+
+
+async def latencies_tpot_over_all_tokens(stream, clock):
+    return await _time(stream, clock, tpot_over="n")
+
+
+async def latencies_first_gap_is_an_itl(stream, clock):  # TTFT counted among the inter-token latencies
+    return await _time(stream, clock, first_gap=True)
 
 
 WRONG = {
     "10.parse_sse": [parse_keeps_done, parse_splits_on_data],
     "10.sendable_text": [sendable_imports_the_answer, sendable_holds_nothing, sendable_holds_whole_stop,
                          sendable_counts_bytes, sendable_one_partial_only],
-    "10.request_latencies": [latencies_divides_by_pieces, latencies_tpot_from_sent],
+    "10.request_latencies": [latencies_pieces_counted_as_tokens, latencies_sent_at_the_first_piece,
+                             latencies_tpot_over_all_tokens, latencies_first_gap_is_an_itl],
 }
+
+RUN_THE_MODEL = {"10.request_latencies"}

@@ -2,6 +2,7 @@
 (Benchmarks measure; these tests only keep them from rotting. No timing is asserted.)"""
 
 import json
+from pathlib import Path
 
 from minivllm.tools import bench
 
@@ -49,3 +50,21 @@ def test_overhead_measures_decode_steps_apart_from_the_model(tmp_path):
     row = measure(str(tmp_path), context=20, batch=3)
     assert (row["context"], row["batch"], row["decode_steps"]) == (20, 3, DECODE_STEPS - 2)
     assert row["engine_ms_per_step"] > 0 and row["model_ms_per_step"] > 0
+
+
+def test_dtypes_counts_a_decode_steps_bytes_and_flops_and_skips_a_missing_llama_cpp(monkeypatch):
+    from types import SimpleNamespace
+
+    from minivllm.tools import bench_dtypes
+
+    smollm2 = SimpleNamespace(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                              num_kv_heads=3, head_dim=64)
+    bytes_1, flops_1 = bench_dtypes.step_costs(smollm2, 1, 0, 4)
+    assert 134_000_000 < bytes_1 / 4 < 135_000_000  # SmolLM2-135M: its weights, read once per step
+    assert flops_1 == 2 * bytes_1 / 4
+    bytes_32, flops_32 = bench_dtypes.step_costs(smollm2, 32, 100, 2)
+    assert bytes_32 == bytes_1 / 2 + 32 * 100 * 2 * 30 * 3 * 64 * 2  # bf16: half the weight bytes, plus 32 contexts' KV
+    assert flops_32 == 32 * (flops_1 + 4 * 30 * 9 * 64 * 100)
+    monkeypatch.setenv("PATH", "")
+    monkeypatch.delenv("LLAMA_CPP_BIN", raising=False)
+    assert "skipped" in bench_dtypes.llama_cpp_rows(Path("none.gguf"), 2, 1)[0]

@@ -5,6 +5,7 @@
     python -m minivllm.tools.bench spec --out bench/results                  # speculative decoding (chapter 9)
     python -m minivllm.tools.bench serve --out bench/results                 # the server under Poisson load (chapter 10)
     python -m minivllm.tools.bench overhead --out bench/results              # the engine's non-model time per step
+    python -m minivllm.tools.bench dtypes --out bench/results                # fp32 vs bf16 (and llama.cpp) on SmolLM2
 
 Every command takes vLLM's engine arguments (--max-num-seqs, --block-size, ...: minivllm/engine/arg_utils.py).
 
@@ -40,6 +41,7 @@ import torch
 
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.tools.bench_baselines import run_hf_continuous, run_hf_static
+from minivllm.tools.bench_dtypes import dtypes
 from minivllm.tools.bench_overhead import overhead
 
 BENCH_SHAPE = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=10, num_attention_heads=8,
@@ -310,7 +312,7 @@ def serve(args) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["engine", "compare", "spec", "serve", "overhead"])
+    parser.add_argument("command", choices=["engine", "compare", "spec", "serve", "overhead", "dtypes"])
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--min-prompt", type=int, default=32)
     parser.add_argument("--max-prompt", type=int, default=256)
@@ -353,8 +355,9 @@ def main(argv=None) -> int:
         if args.threads < 1:
             parser.error("--threads must be >= 1")
         torch.set_num_threads(args.threads)
-    if args.command in ("compare", "spec", "serve", "overhead"):
+    if args.command in ("compare", "spec", "serve", "overhead", "dtypes"):
         result = {"compare": compare, "spec": spec, "serve": serve,
+                  "dtypes": lambda args: {"machine": machine(), **dtypes(args)},
                   "overhead": lambda args: {"machine": machine(), **overhead(args)}}[args.command](args)
     else:
         prompts = workload(args.num_prompts, args.min_prompt, args.max_prompt, args.seed)

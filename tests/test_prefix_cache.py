@@ -269,3 +269,74 @@ def test_issue_case_duplicate_blocks_are_all_named_so_either_copy_serves_a_hit(m
     assert len(pool.cached.copies(contents)) == 1
     [q] = serve(engine, [x + random_tokens(5, 33)], max_tokens=1)
     assert q.num_cached_tokens == 16
+
+
+# ------------------------------------------------------------------ KV events, from the pool (vLLM's BlockPool)
+
+
+def events_engine(model, num_blocks, block_size=16, **config):
+    return LLMEngine(model, None, EngineConfig(block_size=block_size, num_kv_blocks=num_blocks,
+                                               enable_prefix_caching=True, enable_kv_cache_events=True, **config))
+
+
+def test_kv_events_name_every_copy_of_a_duplicate_and_remove_each_copy(model):
+    """The issue's duplicate case, as events: X and Y store the same hash twice, W's blocks remove one copy."""
+    from minivllm.core.kv_events import BlockRemoved, BlockStored
+
+    engine, x = events_engine(model, 4), random_tokens(16, 31)
+    serve(engine, [x, list(x)], max_tokens=1)
+    stored = engine.take_events()
+    assert stored == [BlockStored([block_hashes(x, 16)[0]], None, x, 16, "GPU")] * 2
+    assert engine.take_events() == []  # each event is handed over once
+    w = random_tokens(40, 32)
+    serve(engine, [w], max_tokens=1)
+    events = engine.take_events()
+    assert [type(e) for e in events] == [BlockRemoved, BlockStored]
+    assert events[0].block_hashes == block_hashes(x, 16) and events[0].medium == "GPU"
+    assert events[1] == BlockStored(block_hashes(w, 16), None, w[:32], 16, "GPU")
+
+
+def test_kv_events_chain_their_parent_and_a_reset_is_one_event(model):
+    from minivllm.core.kv_events import AllBlocksCleared
+
+    engine, prompt = events_engine(model, 32, block_size=8), random_tokens(20, 41)
+    serve(engine, [prompt], max_tokens=12)  # 32 tokens in all: blocks 0-1 at admission, 2-3 while decoding
+    events = engine.take_events()
+    chain = block_hashes(prompt, 8)
+    assert events[0].block_hashes == chain and events[0].parent_block_hash is None
+    assert all(e.parent_block_hash == p.block_hashes[-1] for p, e in zip(events, events[1:]))
+    assert sum(len(e.block_hashes) for e in events) == 3  # the 4th block holds the unsampled last token
+    engine.kv_manager.reset_prefix_cache()
+    assert engine.take_events() == [AllBlocksCleared()] and not engine.kv_manager.pool.cached
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 12), st.integers(1, 6)), min_size=1, max_size=8))
+def test_replaying_the_events_gives_the_pools_cached_map(model, requests):
+    """A consumer that counts copies from the events alone knows exactly what the pool has cached."""
+    from collections import Counter
+
+    from minivllm.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+    engine, copies = events_engine(model, 12, block_size=4, max_num_seqs=3, max_num_batched_tokens=24), Counter()
+    base = random_tokens(40, 51)
+    prompts = [base[:shared * 8] + random_tokens(n, shared * 100 + n) for shared, n, _ in requests]
+    for batch in (prompts[::2], prompts[1::2]):
+        serve(engine, batch, max_tokens=requests[0][2])
+        for event in engine.take_events():
+            if isinstance(event, BlockStored):
+                copies.update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                copies.subtract(event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                copies.clear()
+    pool = engine.kv_manager.pool
+    assert +copies == Counter({h: len(pool.cached.copies(h)) for h in pool.cached})
+
+
+def test_without_the_flag_the_pool_records_nothing(model):
+    engine = LLMEngine(model, None, EngineConfig(block_size=8, num_kv_blocks=16, enable_prefix_caching=True))
+    serve(engine, [random_tokens(30, 61)])
+    assert engine.take_events() == [] and engine.kv_manager.pool.kv_events == []
+    with pytest.raises(ValueError, match="enable_kv_cache_events = True needs chapter 7's prefix cache"):
+        LLMEngine(model, None, EngineConfig(block_size=8, num_kv_blocks=16, enable_kv_cache_events=True))

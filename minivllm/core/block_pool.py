@@ -3,6 +3,8 @@
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 
+from minivllm.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
 
 class NoFreeBlocksError(RuntimeError):
     """The pool cannot hand out the blocks asked for. Nothing was allocated; the caller decides (ch. 6: preempt)."""
@@ -100,13 +102,16 @@ class PrefixCachingBlockPool(BlockPool):
     A full block gets its hash and enters `cached` (hash -> the blocks holding those contents). When its last
     owner frees it, it goes to the back of the free queue *still cached*: a later request with the same prefix
     can revive it. Only when `allocate` hands it out for new contents is its hash forgotten (lazy eviction);
-    since the free queue pops from the front, the least recently freed blocks go first (LRU).
+    since the free queue pops from the front, the least recently freed blocks go first (LRU). With
+    enable_kv_cache_events, every name given or forgotten is also recorded in `kv_events`, for a router.
     """
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, enable_kv_cache_events: bool = False):
         super().__init__(num_blocks)
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.cached = BlockHashToBlockMap()
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.kv_events: list = []  # oldest first, until the engine takes them
 
     def cache(self, block_id: int, block_hash: bytes) -> None:
         """Name a full block by its contents, even when another block already has that name (as vLLM:
@@ -122,6 +127,8 @@ class PrefixCachingBlockPool(BlockPool):
         if block_hash is not None:
             self.cached.pop(block_hash, block_id)
             self.block_hash[block_id] = None
+            if self.enable_kv_cache_events:
+                self.kv_events.append(BlockRemoved([block_hash]))
 
     def allocate(self, count: int) -> list[int]:
         block_ids = super().allocate(count)
@@ -145,3 +152,23 @@ class PrefixCachingBlockPool(BlockPool):
         for block_id in block_ids:
             if self.block_hash[block_id] is not None:
                 self.free_queue[block_id] = None
+
+    def cache_full_blocks(self, block_ids: list[int], block_hashes: list[bytes], parent_block_hash: bytes | None,
+                          token_ids: list[int], block_size: int) -> None:
+        """Name a run of one request's consecutive full blocks, duplicates included; one event for the run."""
+        for block_id, block_hash in zip(block_ids, block_hashes, strict=True):
+            self.cache(block_id, block_hash)
+        if self.enable_kv_cache_events and block_ids:
+            self.kv_events.append(BlockStored(list(block_hashes), parent_block_hash, list(token_ids), block_size))
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every block's name (the blocks stay where they are)."""
+        self.block_hash = [None] * self.num_blocks
+        self.cached = BlockHashToBlockMap()
+        if self.enable_kv_cache_events:
+            self.kv_events.append(AllBlocksCleared())
+
+    def take_events(self) -> list:
+        """The events recorded since the last call, oldest first (vLLM's BlockPool.take_events)."""
+        events, self.kv_events = self.kv_events, []
+        return events

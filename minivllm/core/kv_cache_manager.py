@@ -76,8 +76,8 @@ class PrefixCachingKVCacheManager(KVCacheManager):
     """Chapter 5's manager, plus the prefix cache: a new request starts from the longest run of its leading
     full blocks found in the cache, and its own blocks are named as soon as they are allocated."""
 
-    def __init__(self, num_blocks: int, block_size: int):
-        super().__init__(PrefixCachingBlockPool(num_blocks), block_size)
+    def __init__(self, num_blocks: int, block_size: int, enable_kv_cache_events: bool = False):
+        super().__init__(PrefixCachingBlockPool(num_blocks, enable_kv_cache_events), block_size)
         self.num_cached_blocks: dict[str, int] = {}  # request id -> how many of its leading blocks are named
 
     def block_hashes(self, request, num_blocks: int) -> list[bytes]:
@@ -122,15 +122,20 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         """Name the request's blocks that are full of known tokens once num_computed_tokens are computed."""
         full = min(num_computed_tokens, request.num_tokens) // self.block_size
         named = self.num_cached_blocks.get(request.request_id, 0)
-        table, hashes = self.block_tables[request.request_id], self.block_hashes(request, full)
-        for index in range(named, full):
-            self.pool.cache(table[index], hashes[index])
-        self.num_cached_blocks[request.request_id] = max(named, full)
+        if full <= named:
+            return
+        hashes, size = self.block_hashes(request, full), self.block_size
+        self.pool.cache_full_blocks(self.block_tables[request.request_id][named:full], hashes[named:],
+                                    hashes[named - 1] if named else None,
+                                    request.all_token_ids[named * size:full * size], size)
+        self.num_cached_blocks[request.request_id] = full
 
     def free(self, seq_id) -> None:
         super().free(seq_id)
         self.num_cached_blocks.pop(seq_id, None)
 
     def reset_prefix_cache(self) -> None:
-        for block_id in range(self.pool.num_blocks):
-            self.pool.evict(block_id)
+        self.pool.reset_prefix_cache()
+
+    def take_events(self) -> list:
+        return self.pool.take_events()

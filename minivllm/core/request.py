@@ -32,6 +32,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # chapter 9: draft tokens awaiting verification
     draft_probs: torch.Tensor | None = None  # chapter 9: the distributions the drafts were drawn from
     num_draft_computed_tokens: int = 0  # chapter 9: its tokens in the draft model's cache
+    num_sent_blocks: int = 0  # its blocks the model runner has been told of (SchedulerOutput.new_block_ids)
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)  # if params.logprobs
     penalty_state: tuple | None = None  # the sampler's token counts, if it uses penalties (see the sampler)
     status: str = "waiting"  # waiting, running, finished
@@ -60,7 +61,7 @@ class Request:
 
     def drop_cache_state(self) -> None:
         """Its blocks are gone (preempted or finished): so are the computed tokens, and the drafts built on them."""
-        self.num_computed_tokens = 0
+        self.num_computed_tokens = self.num_sent_blocks = 0
         self.spec_token_ids, self.draft_probs, self.num_draft_computed_tokens = [], None, 0
 
 

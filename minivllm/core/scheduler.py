@@ -2,7 +2,7 @@
 
 import time
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.request import Request
@@ -10,8 +10,13 @@ from minivllm.core.request import Request
 
 @dataclass
 class SchedulerOutput:
+    """One step's work, and all the model runner needs to know for it (vLLM's SchedulerOutput)."""
+
     scheduled: list[tuple[Request, int]]  # (request, number of its tokens to compute this step), in batch order
     preempted: list[Request]
+    new_request_ids: list[str] = field(default_factory=list)  # scheduled with a block table that starts afresh
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)  # blocks each got since the last output
+    freed_request_ids: list[str] = field(default_factory=list)  # finished or preempted: tables to forget
 
 
 class Scheduler:
@@ -38,6 +43,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in arrival order: the last one is preempted first
         self.num_preemptions = 0
+        self.freed_request_ids: list[str] = []  # for the next output that runs
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -67,7 +73,7 @@ class Scheduler:
 
         if not preempted:
             self._admit_waiting(budget, scheduled)
-        return SchedulerOutput(scheduled, preempted)
+        return self.complete_output(scheduled, preempted)
 
     def _admit_waiting(self, budget: int, scheduled: list) -> None:
         seats = Counter(self._owner(r) for r in self.running)
@@ -127,8 +133,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Preemption by recomputation: drop the request's cache; it keeps its tokens and will prefill them again."""
         self.running.remove(request)
-        self.kv_manager.free(request.request_id)
-        request.drop_cache_state()
+        self._free(request)
         request.status = "waiting"
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -140,10 +145,15 @@ class Scheduler:
             self.running.remove(request)
         elif request.status == "waiting":
             self.waiting.remove(request)
-        self.kv_manager.free(request.request_id)
-        request.drop_cache_state()
+        self._free(request)
         request.status, request.finish_reason = "finished", reason
         request.finished_time = time.perf_counter()
+
+    def _free(self, request: Request) -> None:
+        """Its blocks go back, and the runner will forget its table (told in the next output that runs)."""
+        self.kv_manager.free(request.request_id)
+        request.drop_cache_state()
+        self.freed_request_ids.append(request.request_id)
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output) -> list[Request]:
         """After the forward pass: count the computed tokens, append the new ones (and their log-probabilities),
@@ -169,3 +179,19 @@ class Scheduler:
             if reason:
                 self.finish(request, reason)
         return changed
+
+    def complete_output(self, scheduled: list[tuple[Request, int]], preempted: list[Request]) -> SchedulerOutput:
+        """The step's output, with what the runner needs to update its block tables."""
+        new_requests = [r.request_id for r, _ in scheduled if r.num_sent_blocks == 0]
+        new_blocks = {r.request_id: self.new_block_ids(r) for r, _ in scheduled}
+        freed = []
+        if scheduled:  # an output with nothing scheduled does not run: the next one tells the runner
+            freed, self.freed_request_ids = self.freed_request_ids, []
+        return SchedulerOutput(scheduled, preempted, new_requests, new_blocks, freed)
+
+    def new_block_ids(self, request: Request) -> list[int]:
+        """The request's blocks the runner has not been told of yet; from now on it has."""
+        table = self.kv_manager.block_tables[request.request_id]
+        new = table[request.num_sent_blocks:]
+        request.num_sent_blocks = len(table)
+        return new

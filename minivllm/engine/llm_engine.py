@@ -40,7 +40,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.scheduler_reserve_full_isl,
                                    config.max_request_share, config.long_prefill_token_threshold)
-        self.model_runner = self.runner_class(model, self.kv_cache, self.kv_manager, backend, config.seed)
+        self.model_runner = self.runner_class(model, self.kv_cache, backend, config.seed)
         self.output_processor = OutputProcessor()
         self.device = model.lm_head.weight.device
         self.last_schedule = None
@@ -118,6 +118,10 @@ class LLMEngine:
         while self.has_unfinished_requests():
             yield from self.step()
 
+    def take_events(self) -> list:
+        """The KV events since the last call (none unless enable_kv_cache_events): call it between steps."""
+        return self.kv_manager.take_events() if self.config.enable_kv_cache_events else []
+
 
 # option of EngineConfig -> builder of the KV cache manager it asks for; later chapters add theirs
 KV_MANAGERS: dict[str, Callable[[EngineConfig], KVCacheManager]] = {}
@@ -138,7 +142,7 @@ def make_kv_manager(config: EngineConfig) -> KVCacheManager:
 
 
 def prefix_caching_manager(config: EngineConfig) -> PrefixCachingKVCacheManager:
-    return PrefixCachingKVCacheManager(config.num_kv_blocks, config.block_size)
+    return PrefixCachingKVCacheManager(config.num_kv_blocks, config.block_size, config.enable_kv_cache_events)
 
 
 KV_MANAGERS["enable_prefix_caching"] = prefix_caching_manager

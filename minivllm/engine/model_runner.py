@@ -36,22 +36,81 @@ def prepare_paged_batch(kv_cache: PagedKVCache, manager: KVCacheManager, work: l
     return as_tensor(input_ids), as_tensor(positions), metadata
 
 
+class BlockTables:
+    """The runner's copy of its requests' block tables: row r of `table` holds one request's block ids, the
+    first `lengths[r]` of them valid. Rows and columns grow by doubling; a freed request's row is reused."""
+
+    def __init__(self, rows: int = 8, columns: int = 32):
+        self.table = torch.zeros(rows, columns, dtype=torch.int32)
+        self.lengths = torch.zeros(rows, dtype=torch.long)
+        self.rows: dict[str, int] = {}
+        self.free_rows = list(range(rows - 1, -1, -1))
+
+    def update(self, new_request_ids, new_block_ids: dict[str, list[int]], freed_request_ids) -> None:
+        for request_id in [*freed_request_ids, *new_request_ids]:
+            if request_id in self.rows:
+                row = self.rows.pop(request_id)
+                self.lengths[row] = 0
+                self.free_rows.append(row)
+        for request_id, block_ids in new_block_ids.items():
+            if block_ids:
+                self.append(request_id, block_ids)
+
+    def append(self, request_id: str, block_ids: list[int]) -> None:
+        if request_id not in self.rows:
+            if not self.free_rows:
+                self.free_rows = list(range(2 * len(self.table) - 1, len(self.table) - 1, -1))
+                self.table = torch.cat([self.table, torch.zeros_like(self.table)])
+                self.lengths = torch.cat([self.lengths, torch.zeros_like(self.lengths)])
+            self.rows[request_id] = self.free_rows.pop()
+        row = self.rows[request_id]
+        start, end = int(self.lengths[row]), int(self.lengths[row]) + len(block_ids)
+        while end > self.table.shape[1]:
+            self.table = torch.cat([self.table, torch.zeros_like(self.table)], dim=1)
+        self.table[row, start:end] = torch.tensor(block_ids, dtype=torch.int32)
+        self.lengths[row] = end
+
+    def batch(self, kv_cache: PagedKVCache, work: list[tuple[str, list[int], int]],
+              backend: type[PagedAttention] = PagedAttention):
+        """Flat model input for `work`, (request id, new token ids, position of the first one) per request,
+        as chapter 5's prepare_paged_batch returns it: input_ids, positions, metadata."""
+        device, block_size = kv_cache.kv.device, kv_cache.block_size
+        counts = torch.tensor([len(tokens) for _, tokens, _ in work])
+        starts = torch.tensor([start for _, _, start in work])
+        rows = torch.tensor([self.rows[request_id] for request_id, _, _ in work])
+        seq_lens = starts + counts
+        tables = self.table[rows, :-(-int(seq_lens.max()) // block_size)]
+        request_of_token = torch.repeat_interleave(torch.arange(len(work)), counts)
+        query_start_loc = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+        positions = starts[request_of_token] + torch.arange(int(counts.sum())) - query_start_loc[request_of_token]
+        slots = tables[request_of_token, positions // block_size].long() * block_size + positions % block_size
+        input_ids = torch.tensor([t for _, tokens, _ in work for t in tokens], dtype=torch.long)
+        metadata = backend(kv_cache, slots.to(device), query_start_loc.to(device), seq_lens.to(device),
+                           tables.to(device))
+        return input_ids.to(device), positions.to(device), metadata
+
+
 class ModelRunner:
     """Executes one scheduled step: builds the flat batch, runs the model, and samples a token for every
     request whose known tokens are now all computed (a request in the middle of a chunked prefill gets none)."""
 
-    def __init__(self, model, kv_cache: PagedKVCache, kv_manager: KVCacheManager, backend: type[PagedAttention],
-                 seed: int = 0):
-        self.model, self.kv_cache, self.kv_manager, self.backend = model, kv_cache, kv_manager, backend
+    def __init__(self, model, kv_cache: PagedKVCache, backend: type[PagedAttention], seed: int = 0):
+        self.model, self.kv_cache, self.backend = model, kv_cache, backend
+        self.block_tables = BlockTables()
         self.sampler = Sampler()
         self.generator = torch.Generator(kv_cache.kv.device).manual_seed(seed)  # for requests without a seed
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        scheduled = scheduler_output.scheduled
-        work = [(r.request_id, self.tokens_to_run(r, n), r.num_computed_tokens) for r, n in scheduled]
-        input_ids, positions, metadata = prepare_paged_batch(self.kv_cache, self.kv_manager, work, self.backend)
+        input_ids, positions, metadata = self.prepare_inputs(scheduler_output)
         hidden = self.model(input_ids, positions, metadata)
-        return self.sample(scheduled, hidden, metadata.query_start_loc)
+        return self.sample(scheduler_output.scheduled, hidden, metadata.query_start_loc)
+
+    def prepare_inputs(self, scheduler_output: SchedulerOutput):
+        """Update the block tables from the output, then the step's flat batch: input_ids, positions, metadata."""
+        out = scheduler_output
+        self.block_tables.update(out.new_request_ids, out.new_block_ids, out.freed_request_ids)
+        work = [(r.request_id, self.tokens_to_run(r, n), r.num_computed_tokens) for r, n in out.scheduled]
+        return self.block_tables.batch(self.kv_cache, work, self.backend)
 
     @staticmethod
     def tokens_to_run(request: Request, n: int) -> list[int]:

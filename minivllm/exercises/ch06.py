@@ -83,6 +83,8 @@ def _recording_scheduler(steps: list[_Step], schedule=None):
         def schedule(self):
             before = [r.request_id for r in self.running]
             out = super().schedule() if schedule is None else schedule(self)
+            if schedule is not None:  # the reader's policy; the runner's part of the output is the engine's
+                out = self.complete_output(out.scheduled, out.preempted)
             steps.append(_Step([(r.request_id, n) for r, n in out.scheduled], [r.request_id for r in out.preempted],
                                before, any(n < r.num_tokens - r.num_computed_tokens for r, n in out.scheduled)))
             if schedule is not None:

@@ -122,7 +122,7 @@ def _computed_blocks():
         config = EngineConfig(block_size=4, num_kv_blocks=64, max_num_seqs=1, enable_prefix_caching=True)
         model, tokenizer, _ = tiny_model()
         engine = LLMEngine(model, tokenizer, config)
-        engine.kv_manager = engine.scheduler.kv_manager = engine.model_runner.kv_manager = \
+        engine.kv_manager = engine.scheduler.kv_manager = \
             manager(get_computed_blocks, config)
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         first = shared[:24]

@@ -3,7 +3,7 @@
 import torch
 
 from minivllm.attention.paged import PagedKVCache
-from minivllm.engine.model_runner import prepare_paged_batch
+from minivllm.engine.model_runner import BlockTables
 from minivllm.engine.sampler import sampling_probs
 
 
@@ -15,8 +15,8 @@ class DraftModelProposer:
     preemption and freeing serve both models at once.
     """
 
-    def __init__(self, model, kv_cache: PagedKVCache, kv_manager, backend):
-        self.model, self.target_kv_cache, self.kv_manager, self.backend = model, kv_cache, kv_manager, backend
+    def __init__(self, model, kv_cache: PagedKVCache, block_tables: BlockTables, backend):
+        self.model, self.block_tables, self.backend = model, block_tables, backend  # the target runner's tables
         self.kv_cache = PagedKVCache.for_model(model, kv_cache.num_blocks, kv_cache.block_size)
 
     def propose(self, requests, budgets: list[int], generators, reserve) -> list[tuple[list[int], torch.Tensor | None]]:
@@ -31,9 +31,8 @@ class DraftModelProposer:
             start = r.num_draft_computed_tokens  # 0 again after a preemption: its blocks went, and these entries
             work.append((r.request_id, r.all_token_ids[start:], start))
             r.num_draft_computed_tokens = r.num_tokens  # entries of its guesses are trusted only once accepted
-        self.target_kv_cache.copy_blocks(self.kv_manager.pending_copies)  # copy-on-write: both caches copy
         while active:
-            input_ids, positions, metadata = prepare_paged_batch(self.kv_cache, self.kv_manager, work, self.backend)
+            input_ids, positions, metadata = self.block_tables.batch(self.kv_cache, work, self.backend)
             logits = self.model.compute_logits(self.model(input_ids, positions, metadata)[metadata.query_start_loc[1:] - 1])
             greedy = logits.argmax(-1).tolist()
             work, still_active = [], []

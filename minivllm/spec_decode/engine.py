@@ -112,7 +112,7 @@ class SpecDecodeEngine(LLMEngine):
             if draft.config.max_model_len < self.config.max_model_len:
                 raise ValueError(f"speculative_config['model']: {draft.config.max_model_len} positions, fewer than "
                                  f"max_model_len = {self.config.max_model_len}")
-            self.proposer = DraftModelProposer(draft, self.kv_cache, self.kv_manager, backend)
+            self.proposer = DraftModelProposer(draft, self.kv_cache, self.model_runner.block_tables, backend)
         self.model_runner.num_accepted_tokens_per_pos = [0] * k
 
     def step(self):
@@ -143,10 +143,14 @@ class SpecDecodeEngine(LLMEngine):
 
     def _reserve(self, request, k: int) -> int:
         """Slots for k drafts: positions num_tokens - 1 .. num_tokens - 1 + k, written by the draft and the next
-        verification. Fewer if the blocks are not there; how many it got."""
+        verification. Fewer if the blocks are not there; how many it got. New blocks go to the runner now,
+        since the draft model writes into them before the next step."""
         while k > 0:
             try:
                 self.kv_manager.allocate(request.request_id, request.num_tokens - 1, k + 1)
+                new_block_ids = self.scheduler.new_block_ids(request)
+                if new_block_ids:
+                    self.model_runner.block_tables.append(request.request_id, new_block_ids)
                 return k
             except NoFreeBlocksError:
                 k -= 1

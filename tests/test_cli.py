@@ -67,25 +67,52 @@ def test_human_readable_integers_as_vllm_reads_them():
 def test_engine_arguments_map_onto_llm_with_its_defaults():
     import argparse
 
-    from minivllm.entrypoints.llm import LLM
+    from minivllm.entrypoints.llm import LLM, LLM_OPTIONS
 
-    signature = inspect.signature(LLM.__init__).parameters
+    parameters = inspect.signature(LLM.__init__).parameters
+    signature = {name: p.default for name, p in parameters.items() if p.kind is p.KEYWORD_ONLY or name == "model"}
+    signature |= {name: option.default for name, option in LLM_OPTIONS.items()}  # the later chapters' keywords
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     defaults = EngineArgs.from_cli_args(parser.parse_args([])).llm_kwargs()
     for name, value in defaults.items():  # every flag is an LLM argument, and says nothing unless given
         assert name in signature, name
-        assert value == signature[name].default, (name, value, signature[name].default)
+        assert value == signature[name], (name, value, signature[name])
     argv = ["--model", "m", "-tp", "2", "--max-model-len", "1k", "--block-size", "32", "--no-enable-prefix-caching",
             "--max-num-seqs", "8", "--max-num-batched-tokens", "2K", "--dtype", "half", "--seed", "7",
             "--attention-backend", "TRITON_ATTN", "--kv-cache-memory-bytes", "64M", "--no-enable-chunked-prefill",
-            "--num-gpu-blocks-override", "100", "-sc", '{"method": "ngram", "num_speculative_tokens": 2}']
+            "--num-gpu-blocks-override", "100", "-sc", '{"method": "ngram", "num_speculative_tokens": 2}',
+            "--kv-offloading-size", "2.5", "--kv-offloading-backend", "native"]
     kwargs = EngineArgs.from_cli_args(parser.parse_args(argv)).llm_kwargs()
     assert kwargs == {"model": "m", "tensor_parallel_size": 2, "max_model_len": 1000, "block_size": 32,
                       "enable_prefix_caching": False, "max_num_seqs": 8, "max_num_batched_tokens": 2048,
                       "dtype": "float16", "seed": 7, "attention_backend": "triton",
                       "kv_cache_memory_bytes": 64 * 2**20, "enable_chunked_prefill": False, "num_kv_blocks": 100,
-                      "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}
+                      "speculative_config": {"method": "ngram", "num_speculative_tokens": 2},
+                      "kv_offloading_size": 2.5, "kv_offloading_backend": "native"}
     assert EngineArgs.from_cli_args(parser.parse_args(["--max-model-len", "auto"])).max_model_len is None
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "lots"])
+def test_kv_offloading_size_is_a_positive_number_of_gib(value, capsys):
+    import argparse
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-offloading-size", value])
+    assert "--kv-offloading-size" in capsys.readouterr().err
+
+
+def test_serve_kv_offloading_size_gives_the_engine_a_tier_of_that_size():
+    import argparse
+
+    from minivllm.entrypoints.llm import LLM
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    kwargs = EngineArgs.from_cli_args(parser.parse_args(["--kv-offloading-size", "0.001",
+                                                         "--num-gpu-blocks-override", "8"])).llm_kwargs()
+    llm = LLM(**kwargs)
+    assert llm.engine.store.cpu.capacity_blocks == round(0.001 * 2**30) // llm.engine.kv_cache.bytes_per_block
+    assert llm.stats()["kv_offload_cpu_bytes"] == 0
 
 
 def test_generate_passes_the_engine_arguments(monkeypatch, capsys):

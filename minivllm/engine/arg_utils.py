@@ -67,6 +67,17 @@ def max_model_len(text: str) -> int | None:
     return bounded_int(2, readable=True)(text)
 
 
+def positive_gib(text: str) -> float:
+    """vLLM's --kv-offloading-size: a number of GiB above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a number of GiB") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value}: must be a number of GiB above 0")
+    return value
+
+
 def json_object(text: str) -> dict:
     try:
         value = json.loads(text)
@@ -97,6 +108,8 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str = "native"
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     enable_chunked_prefill: bool = True
@@ -130,6 +143,10 @@ class EngineArgs:
                            help="this many KV blocks, whatever the memory (for tests)")
         cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                            default=d.enable_prefix_caching, help="reuse the KV blocks of shared prefixes (chapter 7)")
+        cache.add_argument("--kv-offloading-size", type=positive_gib, default=d.kv_offloading_size,
+                           help="GiB of CPU memory for KV blocks behind the pool (chapter 13); default: no tier")
+        cache.add_argument("--kv-offloading-backend", choices=["native"], default=d.kv_offloading_backend,
+                           help="native: the engine's own CPU tier (vLLM also has lmcache, an LMCache server)")
         scheduler = parser.add_argument_group("SchedulerConfig")
         scheduler.add_argument("--max-num-batched-tokens", type=bounded_int(1, readable=True),
                                default=d.max_num_batched_tokens, help="tokens per engine step (chapter 6)")

@@ -20,8 +20,7 @@ import pytest
 from minivllm import LLM, SamplingParams
 from minivllm.book.texts import CORPUS
 from minivllm.core.kv_cache_utils import block_hashes
-from minivllm.distributed.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, event_from_json,
-                                            event_to_json, publish_kv_events)
+from minivllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, event_from_json, event_to_json
 from minivllm.distributed.router import BlockIndex, Router
 
 TIMEOUT = 120
@@ -64,8 +63,10 @@ def test_the_index_counts_copies_of_a_block():
 
 def test_events_survive_the_wire():
     for event in [BlockStored([h("a"), h("b")], h("p"), [1, 2, 3, 4, 5, 6, 7, 8], 4), BlockStored([h("a")], None, [1], 1),
-                  BlockRemoved([h("x")]), AllBlocksCleared()]:
+                  BlockRemoved([h("x")]), BlockRemoved([h("y")], "CPU"), AllBlocksCleared()]:
         assert event_from_json(json.loads(json.dumps(event_to_json(event)))) == event
+    with pytest.raises(ValueError, match="medium"):
+        event_from_json({"type": "removed", "block_hashes": [h("x").hex()], "medium": 7})
 
 
 # ---------------------------------------------------------------------------------------------- the policies
@@ -174,14 +175,15 @@ def test_dead_replicas_get_nothing():
 
 # ---------------------------------------------------------------------------------------------- the events
 def test_kv_events_mirror_the_prefix_cache_under_eviction():
-    llm = LLM(num_kv_blocks=24, block_size=4, max_num_seqs=2)
-    events = publish_kv_events(llm.engine)
+    llm = LLM(num_kv_blocks=24, block_size=4, max_num_seqs=2, kv_events_config={"enable_kv_cache_events": True})
     index = BlockIndex(1)
     ids = llm.get_tokenizer()(CORPUS[:2000]).input_ids
     prompts = [{"prompt_token_ids": ids[i * 13:i * 13 + 30]} for i in range(5)] + [{"prompt_token_ids": ids[:30],
                                                                                    "cache_salt": "s"}]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    events = list(llm.engine.kv_event_queue)
     kinds = {type(e).__name__ for e in events}
+    assert all(e.medium == "GPU" for e in events)
     assert {"BlockStored", "BlockRemoved"} <= kinds
     stored = [e for e in events if isinstance(e, BlockStored)]
     assert all(len(e.token_ids) == 4 * len(e.block_hashes) for e in stored)
@@ -190,13 +192,19 @@ def test_kv_events_mirror_the_prefix_cache_under_eviction():
         index.apply(0, event)
     pool = llm.engine.kv_manager.pool
     assert index.blocks[0] == Counter({block_hash: len(pool.cached.copies(block_hash)) for block_hash in pool.cached})
-    events.clear()
-    llm.engine.kv_manager.reset_prefix_cache()
-    assert list(events) == [AllBlocksCleared()]
-    with pytest.raises(ValueError, match="already publishes"):
-        publish_kv_events(llm.engine)
+    llm.engine.kv_event_queue.clear()
+    llm.engine.kv_manager.reset_prefix_cache()  # outside a step: it goes out with the next step's events
+    assert not llm.engine.kv_event_queue
+    llm.generate({"prompt_token_ids": ids[:9]}, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    events = list(llm.engine.kv_event_queue)
+    assert events[0] == AllBlocksCleared() and isinstance(events[1], BlockStored)
     with pytest.raises(ValueError, match="prefix cache"):
-        publish_kv_events(LLM(num_kv_blocks=8, enable_prefix_caching=False).engine)
+        LLM(num_kv_blocks=8, enable_prefix_caching=False, kv_events_config={"enable_kv_cache_events": True})
+    with pytest.raises(ValueError, match="kv_events_config"):
+        LLM(num_kv_blocks=8, kv_events_config={"enable_kv_cache_events": "yes"})
+    quiet = LLM(num_kv_blocks=8)  # off unless asked for: nothing is recorded
+    quiet.generate("ROMEO:", SamplingParams(max_tokens=2), use_tqdm=False)
+    assert quiet.engine.take_events() == [] and not hasattr(quiet.engine, "kv_event_queue")
 
 
 def test_a_removed_copy_leaves_the_other_copy_findable():
@@ -204,13 +212,14 @@ def test_a_removed_copy_leaves_the_other_copy_findable():
     blocks but recomputes the last one (a fully cached prompt still needs one token's logits), so that block
     exists twice, both copies named. Evicting one copy sends a BlockRemoved for a hash the replica still serves
     from the other; the index keeps it, and the engine does hit it."""
-    llm = LLM(num_kv_blocks=12, block_size=4, max_num_seqs=2)
-    events, index = publish_kv_events(llm.engine), BlockIndex(1)
+    llm = LLM(num_kv_blocks=12, block_size=4, max_num_seqs=2, kv_events_config={"enable_kv_cache_events": True})
+    index = BlockIndex(1)
     ids = llm.get_tokenizer()(CORPUS[:2000]).input_ids
     twin, greedy = ids[:16], SamplingParams(temperature=0, max_tokens=1)
     llm.generate([{"prompt_token_ids": twin}] * 2, greedy, use_tqdm=False)  # 5 named blocks: the last one twice
     # 8 blocks: the 7 that hold no name, then the least recently freed named one, the first copy of the last block
     llm.generate({"prompt_token_ids": ids[300:332]}, greedy, use_tqdm=False)
+    events = list(llm.engine.kv_event_queue)
     for event in events:
         index.apply(0, event)
     chain = block_hashes(twin, 4)
@@ -425,3 +434,23 @@ def alive(pid: int) -> bool:
             return stat.read().split(") ")[1][0] != "Z"
     except OSError:
         return False
+
+
+def test_kv_events_compose_with_tensor_parallelism():
+    """Chapter 12's option goes in front of whatever engine LLM chose, a tensor-parallel one included: the
+    driver's pool records the events, and replaying them gives what its pool holds."""
+    llm = LLM(device="cpu", num_kv_blocks=32, block_size=4, tensor_parallel_size=2,
+              kv_events_config={"enable_kv_cache_events": True})
+    try:
+        names = [k.__name__ for k in type(llm.engine).__mro__]
+        assert names.index("KVEventPublishingEngine") < names.index("TensorParallelEngine") < names.index("LLMEngine")
+        ids = llm.get_tokenizer()(CORPUS[:400]).input_ids
+        llm.generate([{"prompt_token_ids": ids[:18]}, {"prompt_token_ids": ids[40:70]}],
+                     SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+        index = BlockIndex(1)
+        for event in llm.engine.kv_event_queue:
+            index.apply(0, event)
+        pool = llm.engine.kv_manager.pool
+        assert index.blocks[0] == Counter({h: len(pool.cached.copies(h)) for h in pool.cached}) and index.blocks[0]
+    finally:
+        llm.shutdown()

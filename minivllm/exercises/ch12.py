@@ -10,18 +10,18 @@ def _cached_prefix_tokens():
     The check builds `held` from a real engine's events, then sends the request to that engine and compares."""
     from minivllm import LLM, SamplingParams
     from minivllm.book.texts import CORPUS
-    from minivllm.distributed.kv_events import publish_kv_events
     from minivllm.distributed.router import BlockIndex
 
     def case(earlier, request, block_size, num_kv_blocks=200, salts=None, what=""):
         def test(cached_prefix_tokens):
-            llm = LLM(block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=1)
-            events, index = publish_kv_events(llm.engine), BlockIndex(1)
+            llm = LLM(block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=1,
+                      kv_events_config={"enable_kv_cache_events": True})
+            index = BlockIndex(1)
             salts_ = salts or [None] * (len(earlier) + 1)
             for tokens, salt in zip(earlier, salts_):
                 llm.generate({"prompt_token_ids": tokens, "cache_salt": salt} if salt else {"prompt_token_ids": tokens},
                              SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
-            for event in events:
+            for event in llm.engine.kv_event_queue:
                 index.apply(0, event)
             held = frozenset(index.blocks[0])
             got = cached_prefix_tokens(list(request), block_size, salts_[-1], held)

@@ -4,9 +4,10 @@ prefix cache's KV events published, in a process of its own, started by the supe
 
 Its extra routes:
 
-    GET  /kv_events            the KV events as JSON lines (minivllm/distributed/kv_events.py): first a snapshot
-                               (AllBlocksCleared, then one BlockStored naming every named block, each copy
-                               once), then every event as it happens
+    GET  /kv_events            the KV events as JSON lines (minivllm/distributed/kv_events.py), which the
+                               engine's block pool records (LLM(kv_events_config={"enable_kv_cache_events":
+                               True})): first a snapshot (AllBlocksCleared, then one BlockStored naming every
+                               named block, each copy once), then every event as it happens
     POST /reset_prefix_cache   development mode only (`dev_mode`, or MINIVLLM_SERVER_DEV_MODE=1, as vLLM's
                                VLLM_SERVER_DEV_MODE): forget every cached block, in the engine loop's next turn;
                                409 while requests run. Without dev mode the route does not exist (404)
@@ -29,7 +30,7 @@ from collections import deque
 
 from fastapi.responses import Response, StreamingResponse
 
-from minivllm.distributed.kv_events import AllBlocksCleared, BlockStored, event_to_json, publish_kv_events
+from minivllm.distributed.kv_events import AllBlocksCleared, BlockStored, event_to_json
 from minivllm.distributed.router import BlockIndex
 from minivllm.entrypoints.openai.api_server import Limits, build_app
 from minivllm.entrypoints.openai.protocol import APIError
@@ -63,9 +64,9 @@ class Subscriber:
 
 
 class KVEventPublisher:
-    """Drains an engine's KV-event deque (filled by the engine's worker thread) on the event loop, keeps a
-    mirror of the named blocks for the snapshot a new (or resynchronised) subscriber gets, and fans events out
-    as JSON lines to bounded backlogs."""
+    """Drains an engine's KV-event deque (`engine.kv_event_queue`, filled at the end of each step by the engine's
+    worker thread) on the event loop, keeps a mirror of the named blocks for the snapshot a new (or
+    resynchronised) subscriber gets, and fans events out as JSON lines to bounded backlogs."""
 
     def __init__(self, events, block_size: int):
         self.events, self.block_size = events, block_size
@@ -122,10 +123,13 @@ class KVEventPublisher:
 
 def build_replica_app(llm, model_name: str = "minivllm", api_key: str | None = None, limits: Limits = Limits(),
                       dev_mode: bool | None = None):
-    """Chapter 10's app for `llm`, plus /kv_events, and /reset_prefix_cache in development mode."""
-    events = publish_kv_events(llm.engine)
+    """Chapter 10's app for `llm` (built with its KV events on), plus /kv_events, and /reset_prefix_cache in
+    development mode."""
+    if not llm.engine.config.enable_kv_cache_events:
+        raise ValueError("a replica publishes KV events: build its LLM with "
+                         'kv_events_config={"enable_kv_cache_events": True}')
     app = build_app(llm, model_name, api_key, limits)
-    publisher = app.state.kv_events = KVEventPublisher(events, llm.engine.config.block_size)
+    publisher = app.state.kv_events = KVEventPublisher(llm.engine.kv_event_queue, llm.engine.config.block_size)
     engine = app.state.serving.engine  # the AsyncLLM: its turns are the only code that touches the engine
 
     async def kv_events():
@@ -172,7 +176,7 @@ def replica_main(argv=None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    llm = LLM(**json.loads(args.llm_kwargs))
+    llm = LLM(**json.loads(args.llm_kwargs), kv_events_config={"enable_kv_cache_events": True})
     limits = Limits()
     app = build_replica_app(llm, args.served_model_name, os.environ.get("MINIVLLM_API_KEY") or None, limits,
                             dev_mode=args.dev_mode)

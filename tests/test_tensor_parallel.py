@@ -55,7 +55,7 @@ def test_embedded_model_tp2_equals_tp1():
         assert two.engine.kv_cache.num_blocks == one.engine.kv_cache.num_blocks
         got = [o.outputs[0].token_ids for o in two.generate(prompts, GREEDY, use_tqdm=False)]
         assert got == expected
-        again = two.generate(prompts[:2], GREEDY, use_tqdm=False)  # prefix-cache hits: copy-on-write path too
+        again = two.generate(prompts[:2], GREEDY, use_tqdm=False)  # prefix-cache hits on both ranks
         assert [o.outputs[0].token_ids for o in again] == expected[:2] and again[0].num_cached_tokens >= 0
     finally:
         two.shutdown()

@@ -10,13 +10,12 @@ from minivllm.distributed.executor import TensorParallelWorkers, batch_message
 from minivllm.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 from minivllm.distributed.shard import load_shard
 from minivllm.engine.checks import check_engine_config
-from minivllm.engine.model_runner import prepare_paged_batch
 
 
 class TensorParallelRunner:
-    """Put in front of the engine's runner class, on the driver (rank 0): build the batch as that runner does,
-    hand it to every worker, run rank 0's shard (whose all-reduces meet the workers'), and sample, or verify,
-    with that runner's own `sample`, from the full hidden state the last all-reduce left."""
+    """Put in front of the engine's runner class, on the driver (rank 0): build the batch with that runner's
+    own `prepare_inputs`, hand it to every worker, run rank 0's shard (whose all-reduces meet the workers'),
+    and sample, or verify, with that runner's own `sample`, from the full hidden state."""
 
     workers: TensorParallelWorkers | None = None  # set by TensorParallelEngine
     broken: str | None = None
@@ -25,12 +24,9 @@ class TensorParallelRunner:
         if self.broken:
             raise RuntimeError(f"the tensor-parallel engine stopped after an earlier failure: {self.broken}")
         self.workers.check_alive()
-        scheduled = scheduler_output.scheduled
-        work = [(r.request_id, self.tokens_to_run(r, n), r.num_computed_tokens) for r, n in scheduled]
-        copies = list(self.kv_manager.pending_copies)  # prepare_paged_batch makes them in rank 0's cache
-        input_ids, positions, metadata = prepare_paged_batch(self.kv_cache, self.kv_manager, work, self.backend)
+        input_ids, positions, metadata = self.prepare_inputs(scheduler_output)
         try:
-            self.workers.broadcast(batch_message(input_ids, positions, metadata, copies))
+            self.workers.broadcast(batch_message(input_ids, positions, metadata))
             hidden = self.model(input_ids, positions, metadata)  # its all-reduces wait for every rank
             self.workers.check_alive()  # a rank that died mid-step is the likely cause: name it
         except Exception as error:
@@ -41,7 +37,7 @@ class TensorParallelRunner:
                 self.broken = str(dead)
                 raise dead from error
             raise
-        return self.sample(scheduled, hidden, metadata.query_start_loc)
+        return self.sample(scheduler_output.scheduled, hidden, metadata.query_start_loc)
 
 
 class TensorParallelEngine:

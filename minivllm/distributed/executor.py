@@ -24,18 +24,17 @@ from minivllm.distributed.worker_plumbing import (
 )
 
 
-def batch_message(input_ids, positions, metadata, copies) -> dict:
+def batch_message(input_ids, positions, metadata) -> dict:
     """What every worker needs to run the same step as the driver: the flat batch, where its keys and values
-    go, the block tables, and the copy-on-write copies to make first. Plain lists: small and picklable."""
-    return {"input_ids": input_ids.tolist(), "positions": positions.tolist(), "copies": list(copies),
+    go, and the block tables. Plain lists: small and picklable."""
+    return {"input_ids": input_ids.tolist(), "positions": positions.tolist(),
             "slot_mapping": metadata.slot_mapping.tolist(), "query_start_loc": metadata.query_start_loc.tolist(),
             "seq_lens": metadata.seq_lens.tolist(), "block_tables": metadata.block_tables.tolist()}
 
 
 def run_batch(lm, kv_cache: PagedKVCache, backend, batch: dict) -> torch.Tensor:
-    """A worker's step: the same copies, the same batch, its own shard of the model and of the KV cache."""
+    """A worker's step: the same batch, its own shard of the model and of the KV cache."""
     device = kv_cache.kv.device
-    kv_cache.copy_blocks(batch["copies"])
     longs = {k: torch.tensor(batch[k], dtype=torch.long, device=device)
              for k in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens")}
     tables = torch.tensor(batch["block_tables"], dtype=torch.int32, device=device)

@@ -345,3 +345,36 @@ def test_a_keyword_or_an_option_no_chapter_has_plugged_in_is_refused(monkeypatch
     with pytest.raises(ValueError, match="kv_offloading_size = 1.0 needs chapter 13"):
         llm_engine.LLMEngine(model, None, EngineConfig(num_kv_blocks=8, kv_offloading_size=1.0))
     assert type(llm_engine.LLMEngine(model, None, EngineConfig(num_kv_blocks=8)).kv_manager).__name__ == "KVCacheManager"
+
+
+def test_the_runner_keeps_its_own_block_tables_in_step_with_the_manager_and_never_reads_it():
+    """The scheduler's output carries what the runner needs (issue 27): each block id is sent once, and after
+    every update the runner's table of each scheduled request equals the manager's, also through
+    preemptions, prefix hits and speculative decoding's reserved slots."""
+    for path in ("engine/model_runner.py", "spec_decode/draft_model.py"):
+        assert "kv_manager" not in (PACKAGE / path).read_text(), path
+    prompts = [{"prompt_token_ids": [3 + (i * 7 + j) % 200 for j in range(12 + 5 * i)]} for i in range(6)]
+    prompts += [prompts[0], prompts[1]]  # prefix hits
+    for speculative_config in (None, {"method": "ngram", "num_speculative_tokens": 3}):
+        llm = LLM(num_kv_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=24,
+                  attention_backend="torch", speculative_config=speculative_config, scheduler_reserve_full_isl=False)
+        engine, runner, sent, checked = llm.engine, llm.engine.model_runner, {}, [0]
+        prepare = runner.prepare_inputs
+
+        def checking_prepare(scheduler_output):
+            result = prepare(scheduler_output)
+            for request_id in scheduler_output.new_request_ids:
+                sent[request_id] = []
+            for request_id, block_ids in scheduler_output.new_block_ids.items():
+                sent[request_id] += block_ids
+                table = runner.block_tables
+                row = table.rows[request_id]
+                assert table.table[row, :int(table.lengths[row])].tolist() == engine.kv_manager.block_tables[request_id]
+                if speculative_config is None:  # with it, _reserve also hands the runner blocks, between steps
+                    assert sent[request_id] == engine.kv_manager.block_tables[request_id]
+                checked[0] += 1
+            return result
+
+        runner.prepare_inputs = checking_prepare
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+        assert checked[0] > 50 and engine.scheduler.num_preemptions > 0

@@ -9,9 +9,7 @@ from minivllm.core.request import Request
 
 
 @dataclass
-class SchedulerOutput:
-    """One step's work, and all the model runner needs to know for it (vLLM's SchedulerOutput)."""
-
+class SchedulerOutput:  # one step's work, and all the model runner needs to know for it (as vLLM's)
     scheduled: list[tuple[Request, int]]  # (request, number of its tokens to compute this step), in batch order
     preempted: list[Request]
     new_request_ids: list[str] = field(default_factory=list)  # scheduled with a block table that starts afresh

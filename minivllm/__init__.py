@@ -2,7 +2,6 @@
 
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.entrypoints.llm import LLM
-from minivllm.entrypoints import pending_registrations  # noqa: F401  temporary, see that module
 from minivllm.model.loader import load_model
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams

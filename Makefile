@@ -37,13 +37,15 @@ notebooks: install
 ## speculative decoding (chapter 9), the server under Poisson load (chapter 10) and the engine's non-model time per
 ## decode step at 100 and 4,000 tokens of context (batch 1 and 32), and float32 against bfloat16 decode on SmolLM2-135M
 ## at batch 1 and 32 with the fractions of measured memory bandwidth and matmul rate (llama.cpp beside them when
-## its binaries are on PATH or in $$LLAMA_CPP_BIN); JSON in bench/results
+## its binaries are on PATH or in $$LLAMA_CPP_BIN) and chapter 13's second KV tier on a workload 4x the pool
+## (hit rate, TTFT p50/p90, the cost of copy-outs); JSON in bench/results
 bench: install
 	$(PY) -m minivllm.tools.bench compare --workload all --out bench/results
 	$(PY) -m minivllm.tools.bench spec --num-prompts 16 --output-len 256 --out bench/results
 	$(PY) -m minivllm.tools.bench serve --num-prompts 32 --output-len 128 --out bench/results
 	$(PY) -m minivllm.tools.bench overhead --out bench/results
 	$(PY) -m minivllm.tools.bench dtypes --out bench/results
+	$(PY) -m minivllm.tools.bench_offload --out bench/results
 
 ## make vllm-cites: every vllm/... path and name the book cites exists in the pinned vLLM release (pip downloads
 ## its wheel, --no-deps: needs the network, so not part of make test; VLLM_CITES_ARGS="--source DIR" reads a tree)

@@ -31,7 +31,7 @@ MODULES = [import_module(f"{wrong_solutions.__name__}.{module.name}")
            for module in pkgutil.iter_modules(wrong_solutions.__path__) if module.name != "solutions"]
 RUN_THE_MODEL = set().union(*(getattr(module, "RUN_THE_MODEL", set()) for module in MODULES)) | {
     "05.allocate", "06.schedule", "07.computed_blocks", "07.predict_cached", "08b.paged_decode",
-    "09.verify_greedy", "09.verify_sampled", "11.shard_column", "11.shard_row", "11.shard_qkv",
+    "09.verify_greedy", "09.verify_sampled", "11.vocab_parallel_embedding", "11.shard_qkv",
     "12.cached_prefix_tokens", "90.dequantize_q4_1", "90.unpermute"}
 
 

@@ -73,7 +73,7 @@ def run_engine(prompts: list[list[int]], max_tokens: int, config, scheduler_clas
     model, tokenizer, _ = tiny_model()
     engine = LLMEngine(model, tokenizer, config)
     if kv_manager is not None:
-        engine.kv_manager = engine.scheduler.kv_manager = engine.model_runner.kv_manager = kv_manager
+        engine.kv_manager = engine.scheduler.kv_manager = kv_manager
     if scheduler_class is not None:
         engine.scheduler = scheduler_class(engine.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                            config.enable_chunked_prefill)

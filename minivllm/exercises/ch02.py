@@ -8,6 +8,14 @@ _INCREMENTAL = ("the search starts where a new stop string can begin: the earlie
                 "so that a token costs the same at the 10th token as at the 10,000th")
 
 
+def _reading_from(name: str):
+    """str's own `name(sub, start, end)`, after noting where its search starts."""
+    def method(self, sub, start=None, end=None):
+        self._read_from(start)
+        return getattr(str, name)(self, sub, start, end)
+    return method
+
+
 class _SearchedText(str):
     """The settled text, remembering the lowest character any search read (find, index, in, a slice...)."""
 
@@ -20,25 +28,7 @@ class _SearchedText(str):
         start = 0 if start is None else start + len(self) if start < 0 else start
         self.lowest = min(self.lowest, max(0, start))
 
-    def find(self, sub, start=None, end=None):
-        self._read_from(start)
-        return str.find(self, sub, start, end)
-
-    def index(self, sub, start=None, end=None):
-        self._read_from(start)
-        return str.index(self, sub, start, end)
-
-    def rfind(self, sub, start=None, end=None):
-        self._read_from(start)
-        return str.rfind(self, sub, start, end)
-
-    def count(self, sub, start=None, end=None):
-        self._read_from(start)
-        return str.count(self, sub, start, end)
-
-    def startswith(self, prefix, start=None, end=None):
-        self._read_from(start)
-        return str.startswith(self, prefix, start, end)
+    find, index, rfind, count, startswith = map(_reading_from, ("find", "index", "rfind", "count", "startswith"))
 
     def __contains__(self, sub):
         self._read_from(0)

@@ -3,7 +3,7 @@
 project = "minivllm: an LLM inference engine, built step by step"
 author = "the minivllm authors"
 copyright = "2026, the minivllm authors"
-extensions = ["myst_nb"]
+extensions = ["myst_nb", "sphinx-mathjax-offline"]  # MathJax from the build, not a CDN: the book reads offline
 nb_execution_mode = "off"
 myst_enable_extensions = ["dollarmath", "amsmath"]
 exclude_patterns = ["_build", "**.ipynb_checkpoints"]

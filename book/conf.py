@@ -9,5 +9,7 @@ myst_enable_extensions = ["dollarmath", "amsmath"]
 exclude_patterns = ["_build", "**.ipynb_checkpoints"]
 html_theme = "sphinx_book_theme"
 html_title = "minivllm"
-html_theme_options = {"show_toc_level": 2}
+# pydata-sphinx-theme >= 0.17.1 re-injects its navbar under sphinx-book-theme: a second search box on top, and
+# sidebar toggles wired to the hidden copy. Naming navbar_persistent stops it (sphinx-book-theme issue 988).
+html_theme_options = {"show_toc_level": 2, "navbar_persistent": []}
 suppress_warnings = ["mystnb.unknown_mime_type"]

@@ -56,4 +56,10 @@ if ! "$VENV/bin/python" -c "from minivllm.kernels.cpu_attention import load_cpu_
   echo "warning: the CPU attention kernel did not build (a C++ compiler and Python's headers are needed);" >&2
   echo "         the engine falls back to chapter 5's reference backend on a CPU" >&2
 fi
+# chapter 8b's bf16 GEMV, compiled once here beside it ($VENV/torch_extensions/minivllm_cpu_gemv)
+echo "building the bf16 GEMV into $VENV/torch_extensions"
+if ! "$VENV/bin/python" -c "from minivllm.kernels.cpu_gemv import load_cpu_gemv; load_cpu_gemv()"; then
+  echo "warning: the bf16 GEMV did not build (a C++ compiler and Python's headers are needed);" >&2
+  echo "         bf16 models keep oneDNN's products for every linear layer" >&2
+fi
 touch "$STAMP"

@@ -1,5 +1,6 @@
-"""The bfloat16 path (`LLM(dtype="bfloat16")`): weights and KV cache in bf16, matmuls through oneDNN, the C++
-decode kernel reading bf16 keys and values and summing in fp32.
+"""The bfloat16 path (`LLM(dtype="bfloat16")`): weights and KV cache in bf16, matmuls through oneDNN (products of at
+most 4 rows through chapter 8b's GEMV where it is selected: tests/test_cpu_gemv.py holds that engine to the same
+definition), the C++ decode kernel reading bf16 keys and values and summing in fp32.
 
 bf16 cannot be token-identical to fp32, so its correctness is defined by three bounds, each checked here:
 

@@ -15,6 +15,7 @@ from minivllm.distributed.engine import TensorParallelEngine, tensor_parallel
 from minivllm.distributed.kv_events import publishing_kv_events
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.entrypoints.chat import chat_prompts
+from minivllm.kernels.cpu_gemv import use_gemv
 from minivllm.kv_offload.manager import OffloadingLLMEngine
 from minivllm.model.loader import DEFAULT_MODEL, load_model
 from minivllm.outputs import RequestOutput
@@ -171,6 +172,18 @@ LLM_OPTIONS["enable_prefix_caching"] = EngineOption(True, use_prefix_caching)
 
 if attention_backend_class not in ATTENTION_SELECTORS:  # a notebook cell may run twice
     ATTENTION_SELECTORS.append(attention_backend_class)
+
+
+def use_bf16_gemv(build, setting: str) -> None:
+    """bf16_gemv: "auto" runs a bf16 model's products of few rows in the GEMV where it is selectable (AVX-512
+    BF16), "on" wherever the GEMV builds (the portable loop too), "off" never."""
+    if setting not in ("auto", "on", "off"):
+        raise ValueError(f"bf16_gemv = {setting!r}: expected 'auto', 'on' or 'off'")
+    if setting != "off":
+        use_gemv(build.model, portable=setting == "on")
+
+
+LLM_OPTIONS["bf16_gemv"] = EngineOption("auto", use_bf16_gemv)
 
 
 def use_speculative_decoding(build: EngineBuild, speculative_config: dict | None) -> None:

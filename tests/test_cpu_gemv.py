@@ -1,0 +1,201 @@
+"""Chapter 8b's bf16 GEMV (`minivllm/kernels/cpu_gemv.py`): the product of `nn.Linear` for 1 to 4 bf16 rows.
+
+- **The product.** Against a float64 product of the same bf16 numbers, at shapes that break a blocked loop (one
+  output row, fewer than four, a count that is not a multiple of four, one line of 32 weights, SmolLM2's 576 and
+  1,536), for 1 to 4 activation rows: the GEMV's largest error, relative to the largest output, is at most 1.5
+  times the one `torch.nn.functional.linear` makes in bf16 on the same inputs (both sum in fp32 and round once
+  to bf16; they differ in the order of the additions). Checked for the AVX-512 BF16 loop where this CPU has it,
+  and for the portable loop everywhere (built with -mno-avx512bf16).
+- **Its refusals**: other dtypes, more than four rows, K not a multiple of 32, each with an error naming it.
+- **`use_gemv`**: a float32 model is left as it is and nothing is compiled; in a bf16 model each plain
+  `nn.Linear` is replaced, in its parent, by a `GemvLinear` holding the same Parameter objects (no copy; a tied
+  output layer stays tied), and `bf16_gemv="auto"` does it exactly where `gemv_selectable()` says so.
+- **The engine**: the GEMV sums in another order than torch's matmul, so its bf16 tokens can part from torch's at
+  a near-tie (the test prints where they do). They are held to tests/test_bf16.py's definition of a correct bf16
+  engine: greedy tokens equal fp32 transformers' up to the first step where fp32's two best logits are within
+  2 * LOGIT_BOUND of each other, and the first divergence, if any, is at such a step. The engine runs with at most
+  4 rows per step, so every product of the model, prefill chunks included, goes through the GEMV.
+"""
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from minivllm import LLM, SamplingParams
+from minivllm.kernels import cpu_gemv
+from minivllm.kernels.cpu_gemv import GEMV_MAX_ROWS, GemvLinear, gemv_selectable, load_cpu_gemv, use_gemv
+from minivllm.model.loader import DEFAULT_MODEL
+from tests.test_bf16 import BOOK_TEXTS, GREEDY_TOKENS, LOGIT_BOUND, first_divergence, greedy_with_margins
+
+PORTABLE = ("-mno-avx512bf16",)
+
+
+def built(extra_cflags=()):
+    """The GEMV module built with these flags, or a skip where it cannot be built (no compiler, not x86)."""
+    try:
+        return load_cpu_gemv(extra_cflags)
+    except Exception as error:  # noqa: BLE001 (a missing compiler shows up as several exception types)
+        pytest.skip(f"the GEMV does not build here: {type(error).__name__}")
+
+
+needs_dpbf16 = pytest.mark.skipif(not gemv_selectable(), reason="this CPU has no AVX-512 BF16: the GEMV is not "
+                                                                "selected here (its portable loop is still tested)")
+
+
+@pytest.fixture(params=["avx512bf16", "portable"])
+def gemv(request):
+    if request.param == "avx512bf16":
+        if not gemv_selectable():
+            pytest.skip("this CPU has no AVX-512 BF16")
+        module = built()
+        assert module.has_dpbf16()
+    else:
+        module = built(PORTABLE)
+        assert not module.has_dpbf16()
+    return module
+
+
+@pytest.mark.parametrize("n", [1, 3, 5, 577])
+@pytest.mark.parametrize("k", [32, 576, 1536])
+def test_gemv_is_as_accurate_as_torchs_bf16_linear(gemv, n, k):
+    gen = torch.Generator().manual_seed(n * 10_000 + k)
+    for m in range(1, GEMV_MAX_ROWS + 1):
+        x = torch.randn(m, k, generator=gen).bfloat16()
+        w = (torch.randn(n, k, generator=gen) / k ** 0.5).bfloat16()
+        exact = x.double() @ w.double().T
+        got = gemv.gemv_bf16(x, w)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        ours = (got.double() - exact).abs().max().item()
+        torchs = (torch.nn.functional.linear(x, w).double() - exact).abs().max().item()
+        assert ours <= 1.5 * torchs, (m, n, k, ours, torchs)
+
+
+def test_gemv_reads_strided_activations_and_weights_as_their_values(gemv):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 3, generator=gen).bfloat16().T  # [3, 64], not contiguous
+    w = torch.randn(64, 16, generator=gen).bfloat16().T  # [16, 64], not contiguous either
+    assert torch.equal(gemv.gemv_bf16(x, w), gemv.gemv_bf16(x.contiguous(), w.contiguous()))
+
+
+@pytest.mark.parametrize("x_shape, w_shape, dtype, message", [
+    ((1, 64), (8, 64), torch.float32, "must be bfloat16"),
+    ((5, 64), (8, 64), torch.bfloat16, "1 to 4 rows, not 5"),
+    ((2, 48), (8, 48), torch.bfloat16, "K must be a multiple of 32, not 48"),
+    ((2, 64), (8, 32), torch.bfloat16, r"x must be \[M, K\] and w \[N, K\]"),
+])
+def test_gemv_refuses_what_it_cannot_compute(x_shape, w_shape, dtype, message):
+    gemv = built(PORTABLE)  # the checks are the same code in both builds
+    with pytest.raises(RuntimeError, match=message):
+        gemv.gemv_bf16(torch.zeros(x_shape, dtype=dtype), torch.zeros(w_shape, dtype=dtype))
+
+
+class Tiny(nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        self.embed = nn.Embedding(10, 64, dtype=dtype)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(64, 96, dtype=dtype), nn.Linear(96, 64, bias=False,
+                                                                                          dtype=dtype))])
+        self.odd = nn.Linear(48, 64, dtype=dtype)  # K not a multiple of 32: stays an nn.Linear
+        self.head = nn.Linear(64, 10, bias=False, dtype=dtype)
+        self.head.weight = self.embed.weight  # tied, as a small model's output layer
+
+
+def test_use_gemv_leaves_a_float32_model_alone_and_compiles_nothing(monkeypatch):
+    def no_build(*args):
+        raise AssertionError("the GEMV was built for a float32 model")
+
+    monkeypatch.setattr(cpu_gemv, "load_cpu_gemv", no_build)
+    monkeypatch.setattr(cpu_gemv, "gemv_selectable", no_build)
+    model = Tiny(torch.float32)
+    before = dict(model.named_modules())
+    assert use_gemv(model) == 0 and use_gemv(model, portable=True) == 0
+    assert dict(model.named_modules()) == before
+    llm = LLM()  # bf16_gemv="auto" by default
+    assert not any(isinstance(m, GemvLinear) for m in llm.engine.model.modules())
+
+
+def test_use_gemv_puts_gemv_layers_in_place_holding_the_same_parameters():
+    built()
+    model = Tiny(torch.bfloat16)
+    params = {name: p for name, p in model.named_parameters(remove_duplicate=False)}
+    assert use_gemv(model, portable=True) == 3  # blocks.0.0, blocks.0.1, head; not odd
+    assert [type(model.get_submodule(n)) for n in ("blocks.0.0", "blocks.0.1", "head", "odd")] == [
+        GemvLinear, GemvLinear, GemvLinear, nn.Linear]
+    assert {name: p for name, p in model.named_parameters(remove_duplicate=False)}.keys() == params.keys()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        assert p is params[name], name  # the very Parameter objects: nothing copied, nothing reallocated
+    assert model.head.weight is model.embed.weight and model.blocks[0][1].bias is None
+    assert not any(p.is_meta for p in model.parameters())
+    layer, x = model.blocks[0][0], torch.randn(3, 64).bfloat16()
+    assert torch.equal(layer(x), load_cpu_gemv().gemv_bf16(x, layer.weight) + layer.bias)
+    x = torch.randn(GEMV_MAX_ROWS + 1, 64).bfloat16()  # more rows: torch's matmul, as nn.Linear
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+def test_auto_takes_the_gemv_exactly_where_it_is_selectable():
+    built()
+    llm = LLM(dtype="bfloat16")
+    gemv_layers = sum(isinstance(m, GemvLinear) for m in llm.engine.model.modules())
+    plain = sum(type(m) is nn.Linear for m in llm.engine.model.modules())
+    assert (gemv_layers > 0 and plain == 0) if gemv_selectable() else (gemv_layers == 0 and plain > 0)
+    with pytest.raises(ValueError, match="bf16_gemv = 'yes'"):
+        LLM(dtype="bfloat16", bf16_gemv="yes")
+
+
+@needs_dpbf16
+def test_auto_selects_the_avx512_bf16_loop():
+    assert load_cpu_gemv().has_dpbf16()
+    assert use_gemv(Tiny(torch.bfloat16)) == 3
+
+
+@pytest.fixture(scope="module")
+def gemv_greedy_runs():
+    """For each book prompt: the GEMV engine's bf16 tokens, torch's matmul's, fp32 transformers', fp32's top-two gaps
+    and the near-tie threshold; and how many products of at most 4 rows the GEMV computed."""
+    built()
+    calls = []
+    module = load_cpu_gemv()
+
+    class Counting:
+        @staticmethod
+        def gemv_bf16(x, w):
+            calls.append(x.shape[0])
+            return module.gemv_bf16(x, w)
+
+    runs, limits = {}, dict(max_num_seqs=GEMV_MAX_ROWS, max_num_batched_tokens=GEMV_MAX_ROWS)
+    for setting in ("on", "off"):  # at most 4 rows a step: prefill chunks and decode steps all fit the GEMV
+        llm = LLM(dtype="bfloat16", bf16_gemv=setting, **limits)
+        prompts = [llm.tokenizer(t).input_ids[:64] for t in BOOK_TEXTS]
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(cpu_gemv, "load_cpu_gemv", lambda: Counting)
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                   SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True),
+                                   use_tqdm=False)
+        runs[setting] = [o.outputs[0].token_ids for o in outputs]
+        if setting == "on":
+            gemv_calls, calls[:] = len(calls), []
+    assert not calls  # "off" never reaches the GEMV
+    hf32 = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
+    table = []
+    for prompt, got, onednn in zip(prompts, runs["on"], runs["off"]):
+        want, margins, scale = greedy_with_margins(hf32, prompt, GREEDY_TOKENS)
+        table.append((got, onednn, want, margins, 2 * LOGIT_BOUND * scale))
+    return table, gemv_calls
+
+
+def test_the_gemv_engine_is_a_correct_bf16_engine(gemv_greedy_runs, capsys):
+    table, gemv_calls = gemv_greedy_runs
+    assert gemv_calls > 0
+    lines = []
+    for i, (got, onednn, want, margins, tie) in enumerate(table):
+        diverged, parted = first_divergence(got, want), first_divergence(got, onednn)
+        lines.append(f"prompt {i}: GEMV engine's first divergence from fp32 transformers at token "
+                     f"{'none' if diverged is None else diverged} of {GREEDY_TOKENS}"
+                     + ("" if diverged is None else f" (fp32's top-two gap there {margins[diverged]:.3f}, "
+                                                     f"near-tie threshold {tie:.3f})")
+                     + f"; from bf16 with torch's products at {'none' if parted is None else parted}")
+        if diverged is not None:
+            assert margins[diverged] < tie, lines[-1]
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))

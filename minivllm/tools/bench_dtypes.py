@@ -3,7 +3,9 @@
 The model is the appendix's real SmolLM2-135M-Instruct (its Q4_1 GGUF file, dequantized to the dtype asked for).
 For each dtype and batch size (1 and 32 requests of a 199-token prompt, 128 greedy tokens each) the engine's
 decode steps are timed (wall time, torch's threads); configurations alternate round after round and each keeps
-its min and median. Two fractions say how near the limits a row is:
+its min and median. The engine runs as `LLM(dtype=...)` builds it: in bfloat16, chapter 8b's GEMV takes the
+products of few rows where this CPU has AVX-512 BF16 (each row counts its `gemv_linear_layers`).
+Two fractions say how near the limits a row is:
 
 - batch 1 against memory bandwidth: a decode step reads every weight once and the cached keys and values of its
   context, so (weight bytes + KV bytes) / step time, over the bandwidth of a large torch copy measured here;
@@ -91,32 +93,25 @@ class DecodeTimer:
         return statistics.median(self.steps[1:-1])
 
 
-def minivllm_rows(model: str, rounds: int) -> list[dict]:
-    timers = {(dtype, batch): DecodeTimer(model, dtype, batch) for dtype in DTYPES for batch in BATCHES}
-    for timer in timers.values():
-        timer.run()  # warm-up: kernels built, oneDNN primitives created
-    seconds = {key: [] for key in timers}
-    for round_ in range(rounds):  # configurations alternate, round after round
-        for key, timer in timers.items():
-            seconds[key].append(timer.run())
-            print(f"round {round_ + 1}: {key[0]} batch {key[1]}: {1000 * seconds[key][-1]:.1f} ms/step", flush=True)
-    bandwidth = copy_bandwidth()
-    rows = []
-    for (dtype, batch), timer in timers.items():
-        best, median = min(seconds[dtype, batch]), statistics.median(seconds[dtype, batch])
-        config = timer.llm.engine.model.config
-        bytes_read, flops = step_costs(config, batch, PROMPT_LEN + OUTPUT_LEN // 2, 2 if dtype == "bfloat16" else 4)
-        row = {"engine": "minivllm", "dtype": dtype, "batch": batch, "step_ms_min": 1000 * best,
-               "step_ms_median": 1000 * median, "decode_tokens_per_s": batch / median,
-               "attention_backend": timer.llm.engine.model_runner.backend.__name__}
-        if batch == 1:
-            row |= {"bytes_per_step": bytes_read, "memory_bandwidth_gb_s": bandwidth / 1e9,
-                    "bandwidth_fraction": bytes_read / median / bandwidth}
-        else:
-            rate = matmul_rate(getattr(torch, dtype))
-            row |= {"flops_per_step": flops, "matmul_gflops_per_s": rate / 1e9, "matmul_fraction": flops / median / rate}
-        rows.append(row)
-    return rows
+class LlamaCppTimer:
+    """One llama.cpp configuration (a GGUF file of one kind, one stream or 32 parallel sequences): one run of
+    `llama-bench` (one stream at the same context depth) or `llama-batched-bench`, its decode tokens per second."""
+
+    def __init__(self, tools: dict, path: Path, batch: int, threads: int):
+        self.tools, self.path, self.batch, self.threads = tools, path, batch, threads
+
+    def run(self) -> float:
+        if self.batch == 1:  # -fa off: llama.cpp's faster setting on this CPU at this depth (issue 28's runs)
+            out = subprocess.run([self.tools["llama-bench"], "-m", str(self.path), "-p", "0", "-n", str(OUTPUT_LEN),
+                                  "-d", str(PROMPT_LEN), "-t", str(self.threads), "-fa", "off", "-r", "1",
+                                  "-o", "json"],
+                                 check=True, capture_output=True, text=True).stdout
+            return json.loads(out)[0]["avg_ts"]
+        out = subprocess.run([self.tools["llama-batched-bench"], "-m", str(self.path),
+                              "-c", str(self.batch * (PROMPT_LEN + OUTPUT_LEN) + 64), "-npp", str(PROMPT_LEN),
+                              "-ntg", str(OUTPUT_LEN), "-npl", str(self.batch), "-t", str(self.threads),
+                              "--output-format", "jsonl"], check=True, capture_output=True, text=True).stdout
+        return next(json.loads(line) for line in out.splitlines() if line.startswith("{"))["speed_tg"]
 
 
 def llama_cpp_tool(name: str) -> str | None:
@@ -125,50 +120,80 @@ def llama_cpp_tool(name: str) -> str | None:
     return str(path) if path and path.exists() else shutil.which(name)
 
 
-def llama_cpp_rows(gguf: Path, threads: int, rounds: int) -> list[dict]:
-    """llama.cpp's decode rate on the same model as F32, F16 and Q4_1, one stream and 32 parallel sequences."""
-    bench, batched, quantize = (llama_cpp_tool(n) for n in ("llama-bench", "llama-batched-bench", "llama-quantize"))
-    if not (bench and batched and quantize):
-        return [{"engine": "llama.cpp", "skipped": "llama-bench, llama-batched-bench or llama-quantize not found "
-                                                   "(PATH or $LLAMA_CPP_BIN)"}]
-    rows = []
+def llama_cpp_timers(gguf: Path, folder: str, threads: int) -> dict:
+    """llama.cpp on the same model as F32, F16 and its Q4_1 file, one stream and 32 parallel sequences; {} when
+    its binaries are not found."""
+    tools = {name: llama_cpp_tool(name) for name in ("llama-bench", "llama-batched-bench", "llama-quantize")}
+    if not all(tools.values()):
+        return {}
+    files = {"F32": Path(folder) / "model-F32.gguf", "F16": Path(folder) / "model-F16.gguf", "Q4_1": gguf}
+    for kind in ("F32", "F16"):
+        subprocess.run([tools["llama-quantize"], "--allow-requantize", str(gguf), str(files[kind]), kind], check=True,
+                       capture_output=True)
+    return {("llama.cpp", kind, batch): LlamaCppTimer(tools, path, batch, threads)
+            for batch in BATCHES for kind, path in files.items()}
+
+
+def measure(model: str, gguf: Path, rounds: int) -> tuple[dict, dict]:
+    """Every configuration of both engines, alternating round after round (the machine's load drifts alike for
+    all): {(engine, dtype, batch): per-round results} and the timers. minivllm's results are seconds per decode
+    step, llama.cpp's decode tokens per second (what its tools print)."""
     with tempfile.TemporaryDirectory(prefix="bench-llama-") as folder:
-        files = {"Q4_1": gguf}
-        for kind in ("F32", "F16"):
-            files[kind] = Path(folder) / f"model-{kind}.gguf"
-            subprocess.run([quantize, "--allow-requantize", str(gguf), str(files[kind]), kind], check=True,
-                           capture_output=True)
-        single = {kind: [] for kind in files}
-        parallel = {kind: [] for kind in files}
-        for _ in range(rounds):
-            for kind, path in files.items():
-                out = subprocess.run([bench, "-m", str(path), "-p", "0", "-n", str(OUTPUT_LEN), "-d", str(PROMPT_LEN),
-                                      "-t", str(threads), "-r", "1", "-o", "json"], check=True, capture_output=True,
-                                     text=True).stdout
-                single[kind].append(json.loads(out)[0]["avg_ts"])
-                out = subprocess.run([batched, "-m", str(path), "-c", str(32 * (PROMPT_LEN + OUTPUT_LEN) + 64),
-                                      "-npp", str(PROMPT_LEN), "-ntg", str(OUTPUT_LEN), "-npl", "32", "-t", str(threads),
-                                      "--output-format", "jsonl"], check=True, capture_output=True, text=True).stdout
-                line = next(json.loads(l) for l in out.splitlines() if l.startswith("{"))
-                parallel[kind].append(line["speed_tg"])
-        for kind in files:
-            rows.append({"engine": "llama.cpp", "dtype": kind, "batch": 1,
-                         "decode_tokens_per_s": statistics.median(single[kind]), "all": single[kind]})
-            rows.append({"engine": "llama.cpp", "dtype": kind, "batch": 32,
-                         "decode_tokens_per_s": statistics.median(parallel[kind]), "all": parallel[kind]})
-    return rows
+        timers = {("minivllm", dtype, batch): DecodeTimer(model, dtype, batch) for batch in BATCHES for dtype in DTYPES}
+        timers |= llama_cpp_timers(gguf, folder, torch.get_num_threads())
+        timers = dict(sorted(timers.items(), key=lambda item: item[0][2]))  # batch 1 first, engines side by side
+        for timer in timers.values():
+            if isinstance(timer, DecodeTimer):
+                timer.run()  # warm-up: kernels built, oneDNN primitives created
+        results = {key: [] for key in timers}
+        for round_ in range(rounds):
+            for key, timer in timers.items():
+                results[key].append(timer.run())
+                print(f"round {round_ + 1}: {key}: {results[key][-1]:.4g}", flush=True)
+    return results, timers
+
+
+def minivllm_row(dtype: str, batch: int, seconds: list[float], timer: DecodeTimer, bandwidth: float) -> dict:
+    from minivllm.kernels.cpu_gemv import GemvLinear  # bf16_gemv="auto": the GEMV where this CPU has AVX-512 BF16
+
+    best, median = min(seconds), statistics.median(seconds)
+    bytes_read, flops = step_costs(timer.llm.engine.model.config, batch, PROMPT_LEN + OUTPUT_LEN // 2,
+                                   2 if dtype == "bfloat16" else 4)
+    row = {"engine": "minivllm", "dtype": dtype, "batch": batch, "step_ms_min": 1000 * best,
+           "step_ms_median": 1000 * median, "decode_tokens_per_s": batch / median,
+           "decode_tokens_per_s_best": batch / best, "all_step_ms": [1000 * s for s in seconds],
+           "attention_backend": timer.llm.engine.model_runner.backend.__name__,
+           "gemv_linear_layers": sum(isinstance(m, GemvLinear) for m in timer.llm.engine.model.modules())}
+    if batch == 1:
+        return row | {"bytes_per_step": bytes_read, "memory_bandwidth_gb_s": bandwidth / 1e9,
+                      "bandwidth_fraction": bytes_read / median / bandwidth}
+    rate = matmul_rate(getattr(torch, dtype))
+    return row | {"flops_per_step": flops, "matmul_gflops_per_s": rate / 1e9, "matmul_fraction": flops / median / rate}
 
 
 def dtypes(args) -> dict:
     from minivllm.book.real_model import smollm2_gguf
 
-    gguf, rounds = smollm2_gguf(), args.repeats or 3
-    rows = minivllm_rows(str(gguf), rounds)
-    rows += llama_cpp_rows(gguf, torch.get_num_threads(), rounds)
+    gguf, rounds, load_before = smollm2_gguf(), args.repeats or 3, os.getloadavg()
+    results, timers = measure(str(gguf), gguf, rounds)
+    bandwidth = copy_bandwidth()
+    rows = []
+    for (engine, dtype, batch), values in results.items():
+        if engine == "minivllm":
+            rows.append(minivllm_row(dtype, batch, values, timers[engine, dtype, batch], bandwidth))
+        else:
+            rows.append({"engine": engine, "dtype": dtype, "batch": batch,
+                         "decode_tokens_per_s": statistics.median(values), "decode_tokens_per_s_best": max(values),
+                         "all": values})
+    if not any(engine == "llama.cpp" for engine, _, _ in results):
+        rows.append({"engine": "llama.cpp", "skipped": "llama-bench, llama-batched-bench or llama-quantize not "
+                                                       "found (PATH or $LLAMA_CPP_BIN)"})
     by = {(r["engine"], r.get("dtype"), r.get("batch")): r for r in rows}
     ratios = {f"bfloat16 / float32, batch {b}": by["minivllm", "bfloat16", b]["decode_tokens_per_s"]
               / by["minivllm", "float32", b]["decode_tokens_per_s"] for b in BATCHES}
     for row in rows:
         print(json.dumps(row), flush=True)
     return {"model": f"SmolLM2-135M-Instruct ({gguf.name}, dequantized)", "prompt_tokens": PROMPT_LEN,
-            "output_tokens": OUTPUT_LEN, "rounds": rounds, "rows": rows, "ratios": ratios}
+            "output_tokens": OUTPUT_LEN, "rounds": rounds, "threads": torch.get_num_threads(),
+            "alternation": "every configuration of both engines once per round, round after round",
+            "load_average_before": load_before, "load_average_after": os.getloadavg(), "rows": rows, "ratios": ratios}

@@ -1,8 +1,83 @@
-"""Chapter 1 exercises."""
+"""Chapter 1 exercises: the reader's RMSNorm and rotary embedding are checked on their own, then run inside the
+embedded model's decoder (every norm, or every layer's rotation, is theirs) against transformers."""
+
+import copy
 
 import torch
+from torch import nn
 
 from minivllm.exercises import case_seed, close, exercise, expect
+
+
+def _in_the_decoder(replace, what: str, lengths=(23, 9, 40), max_tokens: int = 6):
+    """A case that runs a copy of the embedded model whose modules `replace(module, reader_function, config)` swaps
+    (None: keeps it) on a
+    packed batch of three prompts: its logits for every position against transformers' (each prompt on its own),
+    then a greedy continuation of each prompt, recomputed token by token, against transformers' tokens."""
+    def test(reader_function):
+        from minivllm.attention.base import NoCacheAttention
+        from minivllm.book.mechanism_checks import divergence, greedy_reference, passage_prompts, tiny_model
+
+        model, _, hf = tiny_model()
+        model = copy.deepcopy(model)
+        swapped = 0
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                module = replace(child, reader_function, model.config)
+                if module is not None:
+                    setattr(parent, name, module)
+                    swapped += 1
+        expect(swapped > 0, f"no {what} found in the model")
+        prompts = passage_prompts(list(lengths))
+        with torch.no_grad():
+            logits = model.compute_logits(model(*NoCacheAttention.for_sequences(prompts)))
+            start = 0
+            for i, prompt in enumerate(prompts):
+                want = hf(input_ids=torch.tensor([prompt])).logits[0].float()
+                got = logits[start:start + len(prompt)]
+                start += len(prompt)
+                error = float((got - want).abs().max())
+                expect(error < 1e-3, f"with your {what} in all {swapped} places, prompt {i} ({len(prompt)} tokens): "
+                                     f"logits differ from transformers' by up to {error:.3g}")
+            for i, prompt in enumerate(prompts):
+                ids = list(prompt)
+                for _ in range(max_tokens):
+                    hidden = model(*NoCacheAttention.for_sequences([ids]))
+                    ids.append(int(model.compute_logits(hidden[-1:])[0].argmax()))
+                where = divergence(ids[len(prompt):], greedy_reference(prompt, max_tokens))
+                expect(where is None, f"with your {what}, prompt {i}'s greedy tokens part from transformers' at {where}")
+    return test
+
+def _reader_norm(module, rms_norm, config):
+    """An RMSNorm's stand-in that normalises with the reader's rms_norm(x, weight, eps)."""
+    from minivllm.model.layers import RMSNorm
+
+    if not isinstance(module, RMSNorm):
+        return None
+
+    class ReaderRMSNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight, self.eps = module.weight, module.eps
+
+        def forward(self, x):
+            return rms_norm(x, self.weight, self.eps)
+    return ReaderRMSNorm()
+
+
+def _reader_rope(module, apply_rope, config):
+    """A RotaryEmbedding's stand-in that rotates q and k with the reader's apply_rope(x, positions, theta)."""
+    from minivllm.model.layers import RotaryEmbedding
+
+    if not isinstance(module, RotaryEmbedding):
+        return None
+    theta = config.rope_theta
+
+    class ReaderRotaryEmbedding(nn.Module):
+        def forward(self, positions, q, k):
+            return apply_rope(q, positions, theta), apply_rope(k, positions, theta)
+    return ReaderRotaryEmbedding()
+
 
 @exercise("01.rms_norm")
 def _rms_norm():
@@ -27,6 +102,8 @@ def _rms_norm():
         ("[tokens, heads, head_dim]", case((3, 4, 32), 1e-5)),
         ("a large eps matters", case((4, 8), 10.0)),
         ("bfloat16 input (statistics in float32)", case((6, 128), 1e-6, torch.bfloat16)),
+        ("in the decoder: every norm of the embedded model (layers, q and k, final) is yours, against transformers",
+         _in_the_decoder(_reader_norm, "RMSNorm")),
     ]
 
 
@@ -62,6 +139,8 @@ def _apply_rope():
         ("arbitrary positions (a packed batch)", case(4, 1, 8, 10000.0, positions=[7, 0, 3, 100])),
         ("position 0 leaves x unchanged", case(1, 2, 32, 10000.0, positions=[0])),
         ("dot products depend only on distance", relative),
+        ("in the decoder: every layer rotates q and k with yours, on a packed batch, against transformers",
+         _in_the_decoder(_reader_rope, "rotary embedding")),
     ]
 
 

@@ -1,26 +1,10 @@
-"""Chapter 5 exercises."""
+"""Chapter 5 exercises: the slot mapping and the block count run inside a real LLMEngine; the allocation with
+copy-on-write inside the chapter's StaticPagedGenerator."""
 
 import torch
 
-from minivllm.exercises import CheckFailed, case_seed, close, exercise, expect
-
-
-@exercise("05.slot_mapping")
-def _slot_mapping():
-    def case(table, start, count, block_size):
-        def test(slot_mapping):
-            want = [table[p // block_size] * block_size + p % block_size for p in range(start, start + count)]
-            got = list(slot_mapping(list(table), start, count, block_size))
-            expect(got == want, f"slot_mapping({table}, {start}, {count}, {block_size}) = {got}, expected {want}")
-        return test
-
-    return [
-        ("a prefill from position 0", case([7, 2, 9], 0, 10, 4)),
-        ("one decode token at a block boundary", case([3, 0, 5], 8, 1, 4)),
-        ("a chunk in the middle", case([11, 4, 6, 1], 5, 9, 4)),
-        ("block size 16", case([40, 3], 14, 4, 16)),
-        ("block size 1", case([5, 1, 4, 2], 1, 3, 1)),
-    ]
+from minivllm.exercises import CheckFailed, case_random, case_seed, close, exercise, expect
+from minivllm.exercises.harness import expect_blocks_back, expect_transformers_tokens, paged_engine, step_engine
 
 
 @exercise("05.gather_kv")
@@ -38,23 +22,6 @@ def _gather_kv():
         ("scattered blocks, last one partial", case(10, 4, [7, 1, 3], 10)),
         ("a table longer than the sequence", case(10, 8, [5, 0, 9], 9)),
         ("a single token", case(3, 16, [1], 1)),
-    ]
-
-
-@exercise("05.blocks_needed")
-def _blocks_needed():
-    def case(after, held, block_size, want):
-        def test(blocks_needed):
-            got = blocks_needed(after, held, block_size)
-            expect(got == want, f"blocks_needed({after}, {held}, {block_size}) = {got}, expected {want}")
-        return test
-
-    return [
-        ("an empty sequence's prompt", case(33, 0, 16, 3)),
-        ("a decode inside the last block", case(20, 2, 16, 0)),
-        ("a decode that opens a block", case(33, 2, 16, 1)),
-        ("exactly full", case(32, 1, 16, 1)),
-        ("already more than enough", case(5, 3, 4, 0)),
     ]
 
 
@@ -129,4 +96,141 @@ def _allocate():
         ("n = 3 samples, prompts with partial last blocks (block size 4)", forked([13, 22], 3, 4)),
         ("n = 2 samples, a block-aligned prompt among others (block size 8)", forked([16, 21, 9], 2, 8)),
         ("n = 4 samples, block size 16", forked([35], 4, 16)),
+    ]
+
+
+@exercise("05.slot_mapping")
+def _slot_mapping():
+    """The reader's slot_mapping(block_table, start, count, block_size) computes the slots of every request's
+    new tokens inside the model runner's BlockTables.batch, in a real LLMEngine whose free blocks were shuffled:
+    the model writes each token's keys and values where the reader says, and reads them back through the block
+    tables. Tokens are checked against transformers, slots against the runner's own."""
+    from minivllm.book.mechanism_checks import passage_prompts
+    from minivllm.config import EngineConfig
+    from minivllm.engine.model_runner import BlockTables
+
+    def reader_tables(slot_mapping, first_difference: list):
+        class ReaderBlockTables(BlockTables):
+            step = 0
+
+            def batch(self, kv_cache, work, backend=None):
+                input_ids, positions, metadata = super().batch(kv_cache, work, *([backend] if backend else []))
+                self.step += 1
+                size, theirs, slots = kv_cache.block_size, metadata.slot_mapping.tolist(), []
+                for request_id, tokens, start in work:
+                    row = self.rows[request_id]
+                    table = self.table[row, :int(self.lengths[row])].tolist()
+                    mine = [int(s) for s in slot_mapping(list(table), start, len(tokens), size)]
+                    expect(len(mine) == len(tokens), f"step {self.step}, request {request_id}: {len(mine)} slots "
+                                                     f"for {len(tokens)} new tokens")
+                    want = theirs[len(slots):len(slots) + len(tokens)]
+                    if mine != want and not first_difference:
+                        first_difference.append(
+                            f"step {self.step}, request {request_id}, positions {start}..{start + len(tokens) - 1}, "
+                            f"block table {table}, block size {size}: your slots {mine}, the runner's {want}")
+                    slots += mine
+                metadata.slot_mapping = torch.tensor(slots, dtype=torch.long, device=metadata.slot_mapping.device)
+                return input_ids, positions, metadata
+        return ReaderBlockTables
+
+    def case(lengths, max_tokens, budget, shuffle_seed, num_blocks=48):
+        def test(slot_mapping):
+            prompts, first_difference = passage_prompts(lengths), []
+            config = EngineConfig(block_size=16, num_kv_blocks=num_blocks, max_num_seqs=4,
+                                  max_num_batched_tokens=budget)
+            engine = paged_engine(config, prompts, max_tokens, shuffle_seed)
+            engine.model_runner.block_tables.__class__ = reader_tables(slot_mapping, first_difference)
+            while engine.has_unfinished_requests():
+                step_engine(engine)
+            hint = f" (first wrong slots: {first_difference[0]})" if first_difference else ""
+            expect_transformers_tokens(engine, prompts, max_tokens, hint)
+            expect(not first_difference, f"the tokens are right, but {(first_difference or [''])[0]}")
+            expect_blocks_back(engine)
+        return test
+
+    rng = case_random("05.slot_mapping")
+    drawn = [rng.randrange(1, 70) for _ in range(rng.randrange(2, 5))]
+    drawn_budget = rng.randrange(5, 40)
+    return [
+        ("prompts of 15, 16 and 17 tokens, decodes across the block edge", case([15, 16, 17], 6, 64, 1)),
+        ("prefill chunks of 24 tokens that start and end inside blocks", case([40, 33, 9], 10, 24, 2)),
+        ("one token per chunk: every position on its own", case([18], 3, 1, 3)),
+        (f"random: prompts of {drawn} tokens, chunks of {drawn_budget}", case(drawn, 8, drawn_budget,
+                                                                             rng.randrange(10**6))),
+    ]
+
+
+@exercise("05.blocks_needed")
+def _blocks_needed():
+    """The reader's blocks_needed(num_tokens_after, num_blocks_held, block_size) decides how many new blocks the
+    engine's KV manager allocates for every request at every step, under a budget of blocks tight enough to
+    preempt; an engine with its own manager runs side by side. Step for step, the same requests are scheduled
+    and preempted; every count equals the manager's own; the tokens are transformers'; every block comes back."""
+    from minivllm.book.mechanism_checks import passage_prompts
+    from minivllm.config import EngineConfig
+    from minivllm.core.block_pool import NoFreeBlocksError
+    from minivllm.core.kv_cache_manager import KVCacheManager
+
+    def reader_manager(blocks_needed, first_difference: list):
+        class ReaderManager(KVCacheManager):
+            def allocate(self, seq_id, start, count):
+                held = len(self.block_tables.get(seq_id, []))
+                mine = blocks_needed(start + count, held, self.block_size)
+                expect(isinstance(mine, int) and not isinstance(mine, bool),
+                       f"blocks_needed({start + count}, {held}, {self.block_size}) = {mine!r}: a whole number")
+                theirs = KVCacheManager.blocks_needed(self, seq_id, start, count)
+                if mine != theirs and not first_difference:
+                    first_difference.append(f"request {seq_id} holds {held} blocks of {self.block_size} and writes "
+                                            f"positions {start}..{start + count - 1}: blocks_needed({start + count}, "
+                                            f"{held}, {self.block_size}) = {mine}, the manager's own count is {theirs}")
+                if mine > self.pool.num_free:
+                    raise NoFreeBlocksError(mine, self.pool.num_free)
+                self.block_tables.setdefault(seq_id, []).extend(self.pool.allocate(max(mine, 0)))
+        return ReaderManager
+
+    def decisions(engine):
+        out = engine.last_schedule
+        return [(r.request_id, n) for r, n in out.scheduled], [r.request_id for r in out.preempted]
+
+    def case(lengths, max_tokens, block_size, num_blocks, budget, preempts=True):
+        def test(blocks_needed):
+            prompts, first_difference = passage_prompts(lengths), []
+            config = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks, max_num_seqs=4,
+                                  max_num_batched_tokens=budget)
+            reader = reader_manager(blocks_needed, first_difference)
+            engine = paged_engine(config, prompts, max_tokens, manager_class=reader)
+            reference = paged_engine(config, prompts, max_tokens)
+            step = 0
+            while reference.has_unfinished_requests() or engine.has_unfinished_requests():
+                step += 1
+                expect(step < 500, "no end after 500 steps")
+                hint = f" (first wrong count: {first_difference[0]})" if first_difference else ""
+                try:
+                    step_engine(engine)
+                except (CheckFailed, NotImplementedError):
+                    raise
+                except Exception as error:
+                    raise CheckFailed(f"step {step}: the engine failed, {type(error).__name__}: {error}"
+                                      f"{hint}") from None
+                step_engine(reference)
+                (mine, my_victims), (theirs, their_victims) = decisions(engine), decisions(reference)
+                expect(my_victims == their_victims, f"step {step}: preempted {my_victims}, the engine's own manager "
+                                                    f"leads to {their_victims}{hint}")
+                expect(mine == theirs, f"step {step}: scheduled {mine}, with the engine's own manager {theirs}{hint}")
+            expect_transformers_tokens(engine, prompts, max_tokens)
+            expect(not first_difference, f"the steps are the engine's, but {(first_difference or [''])[0]}")
+            expect_blocks_back(engine)
+            expect(reference.scheduler.num_preemptions > 0 or not preempts,
+                   f"{num_blocks} blocks and nothing preempted: the case proved less than it should")
+        return test
+
+    rng = case_random("05.blocks_needed")
+    drawn = [rng.randrange(3, 60) for _ in range(rng.randrange(3, 6))]
+    return [
+        ("plenty of blocks: prompts of 15, 16, 17 and 32 tokens, decodes across block edges",
+         case([15, 16, 17, 32], 8, 16, 64, 64, preempts=False)),
+        ("18 blocks of 4 tokens: preemption, and readmission", case([22, 13, 16, 9], 12, 4, 18, 20)),
+        ("6 blocks of 16 tokens: a prompt chunked to 20, preemption", case([47, 31, 16], 12, 16, 6, 20)),
+        (f"random: prompts of {drawn} tokens in 20 blocks of 4", case(drawn, 10, 4, 20, rng.randrange(8, 40),
+                                                                      preempts=False)),
     ]

@@ -1,8 +1,9 @@
 """Chapter 6 exercises."""
 
+import random
 from dataclasses import dataclass
 
-from minivllm.exercises import case_random, exercise, expect
+from minivllm.exercises import CheckFailed, case_random, exercise, expect
 
 
 def _reference_plan(running_behind, waiting_behind, budget, max_num_seqs):
@@ -47,21 +48,101 @@ def _plan():
     ]
 
 
+class _ReaderPicksTheVictim(list):
+    """A scheduler's running list whose `[-1]`, the one place Scheduler.schedule picks a preemption victim, asks
+    the reader's preemption_victim (the running requests shuffled) and logs its pick beside the engine's own."""
+
+    def __init__(self, requests, pick, rng, picks: list):
+        super().__init__(requests)
+        self.pick, self.rng, self.picks = pick, rng, picks
+
+    def __getitem__(self, index):
+        if index != -1:
+            return super().__getitem__(index)
+        own = super().__getitem__(-1)
+        if self.pick is None:
+            return own
+        offered = self.rng.sample(list(self), len(self))
+        chosen = self.pick(offered)
+        expect(any(chosen is r for r in self), f"preemption_victim returned {chosen!r}, not one of the running "
+                                               f"requests {[r.request_id for r in self]}")
+        self.picks.append((chosen.request_id, own.request_id))
+        return chosen
+
+
+def _victim_scheduler():
+    """A Scheduler that numbers its admissions: `request.admitted_at` is 1 for the first request it starts, 2 for
+    the next, and a request readmitted after a preemption gets a new number."""
+    from minivllm.core.scheduler import Scheduler
+
+    class NumberingScheduler(Scheduler):
+        num_admissions = 0
+
+        def _start(self, request, num_computed):
+            self.num_admissions += 1
+            request.admitted_at = self.num_admissions
+            super()._start(request, num_computed)
+    return NumberingScheduler
+
+
 @exercise("06.preemption_order")
 def _preemption_order():
-    def case(arrivals):
-        def test(preemption_order):
-            got = list(preemption_order(list(arrivals)))
-            want = sorted(arrivals, reverse=True)
-            expect(got == want, f"preemption_order({arrivals}) = {got}, expected {want}")
+    """The reader's preemption_victim(running) picks every victim inside a real Scheduler (its running requests
+    offered in a shuffled order), while an engine with the engine's own pick runs side by side on the same
+    requests: per step the same victims, no admission in a step that preempted; the tokens are transformers'."""
+    from minivllm.book.mechanism_checks import passage_prompts
+    from minivllm.config import EngineConfig
+    from minivllm.exercises.harness import expect_blocks_back, expect_transformers_tokens, paged_engine, step_engine
+
+    def case(lengths, max_tokens, blocks, budget, seqs, seed, n=1):
+        def test(preemption_victim):
+            prompts, picks = passage_prompts(lengths), []
+            config = EngineConfig(block_size=4, num_kv_blocks=blocks, max_num_seqs=seqs, max_num_batched_tokens=budget)
+            engines = []
+            for pick in (preemption_victim, None):
+                engine = paged_engine(config, prompts, max_tokens, n=n)
+                engine.scheduler.__class__ = _victim_scheduler()
+                engine.scheduler.running = _ReaderPicksTheVictim([], pick, random.Random(seed), picks)
+                engines.append(engine)
+            mine, reference = engines
+            step = 0
+            while reference.has_unfinished_requests() or mine.has_unfinished_requests():
+                step += 1
+                expect(step < 500, "no end after 500 steps")
+                running = [r.request_id for r in mine.scheduler.running]
+                try:
+                    step_engine(mine)
+                except (CheckFailed, NotImplementedError):
+                    raise
+                except Exception as error:
+                    wrong = next(((a, b) for a, b in picks if a != b), ("?", "?"))
+                    raise CheckFailed(f"step {step}: you picked {wrong[0]} where the engine picks {wrong[1]}, and "
+                                      f"then the step failed ({type(error).__name__}: {error}): a request already "
+                                      f"scheduled in this step was preempted") from None
+                reference.step()
+                got, want = ([r.request_id for r in e.last_schedule.preempted] for e in engines)
+                if got != want:
+                    wrong = next(((a, b) for a, b in picks if a != b), None)
+                    detail = f": you picked {wrong[0]} where the engine picks {wrong[1]}" if wrong else ""
+                    raise CheckFailed(f"step {step}: preempted {got}, the engine's scheduler preempts {want} "
+                                      f"(running were {running}){detail}")
+                admitted = [r.request_id for r, _ in mine.last_schedule.scheduled if r.request_id not in running]
+                expect(not (got and admitted), f"step {step}: preempted {got} and admitted {admitted}")
+            expect_transformers_tokens(mine, prompts, max_tokens)
+            expect_blocks_back(mine)
+            expect(picks, f"{blocks} blocks of 4: nothing was preempted, so the case proved nothing")
         return test
 
     rng = case_random("06.preemption_order")
+    drawn = [rng.randrange(6, 24) for _ in range(rng.randrange(3, 6))]
     return [
-        ("already in arrival order", case([1.0, 2.0, 3.0])),
-        ("any order", case([5.5, 0.1, 3.2, 4.0])),
-        ("one request", case([7.0])),
-        ("random arrival times", case([round(rng.uniform(0, 100), 3) for _ in range(rng.randrange(5, 12))])),
+        ("four requests admitted in one step, 12 blocks of 4", case([14, 9, 12, 7], 10, 12, 64, 4, 1)),
+        ("a preempted request comes back, and one admitted after it is newer", case([12, 5, 9, 7, 14], 12, 12, 20,
+                                                                                     4, 2)),
+        ("3 samples each, 2 seats per request: a sample passed over for its share, admitted late, is the newest",
+         case([6, 9], [4, 16], 10, 32, 4, 3, n=3)),
+        (f"random: prompts of {drawn} tokens in 14 blocks of 4", case(drawn, 10, 14, rng.randrange(12, 40), 4,
+                                                                     rng.randrange(10**6))),
     ]
 
 

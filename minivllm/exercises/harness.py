@@ -5,6 +5,7 @@ length of a check, and a speed report (the reader's code against the engine's ow
 from __future__ import annotations
 
 import contextlib
+import random
 import time
 
 import torch
@@ -100,3 +101,58 @@ def report_speed(what: str, yours, reference, rounds: int = 3) -> None:
     ratio = best["yours"] / max(best["reference"], 1e-9)
     note(f"speed ({what}): yours {1000 * best['yours']:.3g} ms, the engine's {1000 * best['reference']:.3g} ms "
          f"of CPU time, {ratio:.2f}x (a report, not a check)")
+
+
+def paged_engine(config, prompts, max_tokens, shuffle_seed=None, manager_class=None, n=1):
+    """A greedy LLMEngine on the embedded model with `prompts` queued (n samples each, `max_tokens` new tokens: one
+    number, or one per prompt); its free blocks shuffled by
+    `shuffle_seed` (so that a request's logical block i is not physical block i), its manager's class swapped."""
+    from collections import OrderedDict
+
+    from minivllm.book.mechanism_checks import tiny_model
+    from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.sampling_params import SamplingParams
+
+    model, tokenizer, _ = tiny_model()
+    engine = LLMEngine(model, tokenizer, config)
+    if manager_class is not None:
+        engine.kv_manager.__class__ = manager_class
+    if shuffle_seed is not None:
+        pool = engine.kv_manager.pool
+        order = list(pool.free_queue)
+        random.Random(shuffle_seed).shuffle(order)
+        pool.free_queue = OrderedDict.fromkeys(order)
+    budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=budget, ignore_eos=True, n=n))
+    return engine
+
+
+def step_engine(engine) -> None:
+    """One engine step; a failure in the reader's code inside the forward pass is raised as itself."""
+    from minivllm.engine.llm_engine import EngineStepError
+
+    try:
+        engine.step()
+    except EngineStepError as error:
+        raise error.__cause__ from None
+
+
+def expect_transformers_tokens(engine, prompts, max_tokens, hint="") -> None:
+    """Every request i of `engine` (its id str(i)) generated transformers' greedy tokens for prompts[i]."""
+    from minivllm.book.mechanism_checks import divergence, greedy_reference
+    from minivllm.exercises import expect
+
+    budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
+        for j, sample in enumerate(engine.output(str(i)).outputs):
+            where = divergence(list(sample.token_ids), greedy_reference(prompt, budget))
+            expect(where is None, f"request {i} ({len(prompt)} prompt tokens), sample {j}: {where}{hint}")
+
+
+def expect_blocks_back(engine) -> None:
+    from minivllm.exercises import expect
+
+    pool = engine.kv_manager.pool
+    expect(pool.num_free == pool.num_blocks and not any(pool.ref_counts),
+           f"after the run, {pool.num_blocks - pool.num_free} of {pool.num_blocks} blocks are still held")

@@ -13,6 +13,10 @@ def slot_mapping_off_by_one(block_table, start, count, block_size):
     return [block_table[p // block_size] * block_size + p % block_size for p in range(start + 1, start + count + 1)]
 
 
+def slot_mapping_logical_block(block_table, start, count, block_size):  # the block's index, not its id
+    return list(range(start, start + count))
+
+
 def slot_mapping_contiguous(block_table, start, count, block_size):  # the table read only once
     return [block_table[start // block_size] * block_size + start % block_size + i for i in range(count)]
 
@@ -34,8 +38,12 @@ def blocks_needed_ignores_held(num_tokens_after, num_blocks_held, block_size):
     return math.ceil(num_tokens_after / block_size)
 
 
-def blocks_needed_unclamped(num_tokens_after, num_blocks_held, block_size):
-    return math.ceil(num_tokens_after / block_size) - num_blocks_held
+def blocks_needed_opens_a_block_when_full(num_tokens_after, num_blocks_held, block_size):
+    return max(0, num_tokens_after // block_size + 1 - num_blocks_held)
+
+
+def blocks_needed_without_the_new_token(num_tokens_after, num_blocks_held, block_size):  # the cached ones only
+    return max(0, math.ceil((num_tokens_after - 1) / block_size) - num_blocks_held)
 
 
 def allocate_partial_on_refusal(manager, seq_id, start, count):  # grows the table before finding out it is short
@@ -71,8 +79,12 @@ def allocate_keeps_shared_reference(manager, seq_id, start, count):  # the copie
 
 
 WRONG = {
-    "05.slot_mapping": [slot_mapping_block_index_as_offset, slot_mapping_off_by_one, slot_mapping_contiguous],
+    "05.slot_mapping": [slot_mapping_block_index_as_offset, slot_mapping_off_by_one, slot_mapping_logical_block,
+                        slot_mapping_contiguous],
     "05.gather_kv": [gather_untrimmed, gather_sorted_blocks],
-    "05.blocks_needed": [blocks_needed_floor, blocks_needed_ignores_held, blocks_needed_unclamped],
+    "05.blocks_needed": [blocks_needed_floor, blocks_needed_ignores_held, blocks_needed_opens_a_block_when_full,
+                         blocks_needed_without_the_new_token],
     "05.allocate": [allocate_partial_on_refusal, allocate_no_copy_on_write, allocate_keeps_shared_reference],
 }
+
+RUN_THE_MODEL = {"05.slot_mapping", "05.blocks_needed"}

@@ -47,12 +47,20 @@ def plan_no_chunking(running_behind, waiting_behind, budget, max_num_seqs):
     return running, waiting
 
 
-def preemption_oldest_first(arrivals):
-    return sorted(arrivals)
+def preemption_oldest_first(running):
+    return min(running, key=lambda r: r.admitted_at)
 
 
-def preemption_as_given(arrivals):
-    return list(reversed(arrivals))
+def preemption_latest_arrival(running):  # a request readmitted after preemption arrived early, yet is the newest
+    return max(running, key=lambda r: r.arrival_time)
+
+
+def preemption_last_offered(running):  # the list is not in the scheduler's order
+    return running[-1]
+
+
+def preemption_the_most_preempted(running):  # "it has lost its work before, so it is cheap to lose again"
+    return max(running, key=lambda r: (r.num_preemptions, r.admitted_at))
 
 
 def _scheduler(waiting_first=False, preempt_oldest=False, admit_after_preemption=False, whole_prompt_gate=True):
@@ -122,7 +130,10 @@ schedule_admits_by_chunk = _named(_scheduler(whole_prompt_gate=False),  # chapte
 
 WRONG = {
     "06.plan": [plan_waiting_first, plan_seats_ignore_running, plan_no_chunking],
-    "06.preemption_order": [preemption_oldest_first, preemption_as_given],
+    "06.preemption_order": [preemption_oldest_first, preemption_latest_arrival, preemption_last_offered,
+                            preemption_the_most_preempted],
     "06.schedule": [schedule_waiting_first, schedule_preempts_oldest, schedule_admits_after_preemption,
                     schedule_admits_by_chunk],
 }
+
+RUN_THE_MODEL = {"06.preemption_order"}

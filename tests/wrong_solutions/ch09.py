@@ -5,12 +5,27 @@ import torch
 from minivllm.spec_decode.ngram_proposer import NgramProposer
 
 
-def expected_no_bonus(alpha, k):  # the bonus token forgotten
-    return sum(alpha ** j for j in range(1, k + 1))
+def expected_no_bonus(num_drafts, num_accepted_tokens_per_pos):  # the target's own token forgotten
+    return sum(num_accepted_tokens_per_pos) / num_drafts if num_drafts else 1.0
 
 
-def expected_k_terms(alpha, k):
-    return k + 1 if alpha == 1 else (1 - alpha ** k) / (1 - alpha)
+def expected_per_draft_token(num_drafts, num_accepted_tokens_per_pos):  # divided by every guess, not every round
+    k = len(num_accepted_tokens_per_pos)
+    return 1 + sum(num_accepted_tokens_per_pos) / (num_drafts * k) if num_drafts else 1.0
+
+
+def expected_from_the_formula(num_drafts, num_accepted_tokens_per_pos):  # E(alpha, k), alpha measured
+    k = len(num_accepted_tokens_per_pos)
+    if not num_drafts:
+        return 1.0
+    alpha = sum(num_accepted_tokens_per_pos) / (num_drafts * k)
+    return k + 1 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def expected_first_position_only(num_drafts, num_accepted_tokens_per_pos):  # alpha from the first guesses, k times
+    if not num_drafts:
+        return 1.0
+    return 1 + len(num_accepted_tokens_per_pos) * num_accepted_tokens_per_pos[0] / num_drafts
 
 
 def ngram_imports_the_answer(token_ids, k, prompt_lookup_max, prompt_lookup_min):
@@ -72,8 +87,11 @@ def verify_sampled_no_residual(target_probs, draft_tokens, draft_probs, generato
 
 
 WRONG = {
-    "09.expected_tokens": [expected_no_bonus, expected_k_terms],
+    "09.expected_tokens": [expected_no_bonus, expected_per_draft_token, expected_from_the_formula,
+                           expected_first_position_only],
     "09.ngram_lookup": [ngram_imports_the_answer, ngram_earliest_match, ngram_shortest_first, ngram_uncut],
     "09.verify_greedy": [verify_greedy_no_bonus, verify_greedy_counts_later_matches],
     "09.verify_sampled": [verify_sampled_always_accept, verify_sampled_no_residual],
 }
+
+RUN_THE_MODEL = {"09.expected_tokens"}

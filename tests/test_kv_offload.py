@@ -2,7 +2,8 @@
 chunked prefill and salts); the tiers stay within their size and every pool block comes back; a salted tenant's
 blocks are served to nobody else, from memory or from disk; a corrupt, truncated or foreign block file is refused
 (said once) and its tokens recomputed; a full disk fails no request; a second process serves a returning prompt
-from the file tier."""
+from the file tier; speculative decoding (n-gram and draft model) runs with a tier, and tensor parallelism is
+refused."""
 
 import errno
 import json
@@ -260,6 +261,51 @@ def test_llm_kv_offloading_size_has_vllms_meaning(tmp_path):
     with pytest.raises(ValueError, match="kv_offloading_file_tier"):
         LLM(num_kv_blocks=16, kv_offloading_file_tier={"root_dir": str(tmp_path), "size": 1})
     assert type(LLM(num_kv_blocks=16).engine) is LLMEngine, "no size, no tier"
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(num_kv_blocks=16, kv_offloading_size=1, tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_with_a_tier_equals_transformers_and_loads_from_it(method):
+    """LLM(kv_offloading_size=..., speculative_config=...): chapter 9's verification with chapter 13's copies.
+    Two rounds with a flood between them that the pool cannot hold (and preemption: admission without the
+    full-prompt reservation); the second round's prefixes come from the tier; drafts are made and accepted;
+    every token is transformers'; every pool block comes back. The n-gram case also publishes KV events
+    (chapter 12's engine in front of the composed one)."""
+    from minivllm import LLM
+    from minivllm.core.kv_events import BlockStored
+    from minivllm.kv_offload.manager import OffloadingSpecDecodeEngine, OffloadingSpecDecodeModelRunner
+
+    spec = {"method": method, "num_speculative_tokens": 3}
+    events = {"kv_events_config": {"enable_kv_cache_events": True}} if method == "ngram" else {}
+    llm = LLM(block_size=4, num_kv_blocks=20, max_num_seqs=3, max_num_batched_tokens=16,
+              scheduler_reserve_full_isl=False, kv_offloading_size=200 * BLOCK_BYTES / 2**30,
+              speculative_config=spec | ({"prompt_lookup_max": 3, "prompt_lookup_min": 1} if method == "ngram" else {}),
+              **events)
+    engine = llm.engine
+    assert isinstance(engine, OffloadingSpecDecodeEngine) and isinstance(engine.model_runner, OffloadingSpecDecodeModelRunner)
+    prompts, max_tokens = shared_prefix_prompts(), 12
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    rounds = []
+    for round_ in range(2):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        rounds.append(outs)
+        if round_ == 0:
+            loaded_before = engine.model_runner.connector.blocks_loaded
+            llm.generate([{"prompt_token_ids": p} for p in passage_prompts([60, 60, 60], offset=250)], params,
+                         use_tqdm=False)
+        for prompt, out in zip(prompts, outs):
+            assert list(out.outputs[0].token_ids) == greedy_reference(prompt, max_tokens), f"round {round_}"
+    stats = llm.stats()
+    assert engine.model_runner.connector.blocks_loaded > loaded_before, "the second round should load from the tier"
+    assert sum(o.num_cached_tokens for o in rounds[1]) > sum(o.num_cached_tokens for o in rounds[0])
+    assert stats["spec_decode_num_draft_tokens"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
+    assert engine.scheduler.num_preemptions > 0, "the case is meant to preempt"
+    manager = engine.kv_manager
+    assert manager.pool.num_free == manager.pool.num_blocks
+    assert not (manager.block_tables or manager.tier_hits or manager.num_offered or manager.loads or manager.stores)
+    if events:
+        assert any(isinstance(e, BlockStored) and e.medium == "CPU" for e in engine.kv_event_queue)
 
 
 def test_kv_events_report_the_medium_of_every_tier(tmp_path):

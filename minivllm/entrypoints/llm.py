@@ -16,7 +16,7 @@ from minivllm.distributed.kv_events import publishing_kv_events
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.entrypoints.chat import chat_prompts
 from minivllm.kernels.cpu_gemv import use_gemv
-from minivllm.kv_offload.manager import OffloadingLLMEngine
+from minivllm.kv_offload.manager import OffloadingLLMEngine, OffloadingSpecDecodeEngine
 from minivllm.model.loader import DEFAULT_MODEL, load_model
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -235,13 +235,14 @@ def use_kv_offloading(build: EngineBuild, size_gib: float | None) -> None:
         return
     if isinstance(size_gib, bool) or not isinstance(size_gib, (int, float)) or not 0 < size_gib < math.inf:
         raise ValueError(f"kv_offloading_size = {size_gib!r}: a number of GiB above 0, or None")
-    if {"speculative_config", "tensor_parallel_size"} & set(build.engine_kwargs):
-        raise ValueError("kv_offloading_size: the tier runs on chapter 6's engine here, not with speculative "
-                         "decoding or tensor parallelism")
+    if "tensor_parallel_size" in build.engine_kwargs:
+        raise ValueError("kv_offloading_size: not with tensor_parallel_size > 1 here (the connector runs on rank "
+                         "0 only, and would copy its own shard of each block)")
     build.config = replace(build.config, kv_offloading_size=float(size_gib))
-    engine = build.engine_class  # chapter 6's, or one that an earlier option put something in front of
-    build.engine_class = OffloadingLLMEngine if engine is LLMEngine else \
-        type(f"Offloading{engine.__name__}", (engine, OffloadingLLMEngine), {})
+    engine = build.engine_class  # chapter 6's or 9's, or one that an earlier option put something in front of
+    tiered = OffloadingSpecDecodeEngine if issubclass(engine, SpecDecodeEngine) else OffloadingLLMEngine
+    build.engine_class = tiered if engine in (LLMEngine, SpecDecodeEngine) else \
+        type(f"Offloading{engine.__name__}", (engine, tiered), {})
     build.engine_kwargs["model_name"] = str(build.load_args[0] or DEFAULT_MODEL)
 
 

@@ -12,6 +12,7 @@ from minivllm.engine.llm_engine import KV_MANAGERS, LLMEngine
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.kv_offload.file_tier import FileTier, kv_identity
 from minivllm.kv_offload.tier import CPUTier, TieredKVStore
+from minivllm.spec_decode.engine import SpecDecodeEngine, SpecDecodeModelRunner
 
 
 class OffloadingKVCacheManager(PrefixCachingKVCacheManager):
@@ -150,16 +151,17 @@ KV_MANAGERS["kv_offloading_size"] = offloading_manager  # tried before chapter 7
 
 class OffloadingLLMEngine(LLMEngine):
     """Chapter 6's engine with the tiers behind its pool: `config.kv_offloading_size` GiB of host memory
-    and, with `file_root`, up to `file_bytes` of block files there (named for `model_name` and the block shape)."""
+    and, with `file_root`, up to `file_bytes` of block files there (named for `model_name` and the block shape).
+    Other keyword arguments go on to the engine it is composed with (chapter 9's `speculative_config`)."""
 
     runner_class = OffloadingModelRunner
 
     def __init__(self, model, tokenizer, config: EngineConfig, backend=PagedAttention, *, file_root=None,
-                 file_bytes: int = 0, model_name: str = "model", offload_prompt_only: bool = True):
+                 file_bytes: int = 0, model_name: str = "model", offload_prompt_only: bool = True, **engine_kwargs):
         if not config.kv_offloading_size or config.kv_offloading_backend != "native":
             raise ValueError(f"kv_offloading_size = {config.kv_offloading_size!r} GiB, backend "
                              f"{config.kv_offloading_backend!r}: a size > 0 and the 'native' backend are needed")
-        super().__init__(model, tokenizer, config, backend)
+        super().__init__(model, tokenizer, config, backend, **engine_kwargs)  # chapter 9's, when composed with it
         kv = self.kv_cache.kv
         events = config.enable_kv_cache_events
         cpu = CPUTier(round(config.kv_offloading_size * 2**30), self.kv_cache.bytes_per_block, events)
@@ -180,3 +182,14 @@ class OffloadingLLMEngine(LLMEngine):
         return {**super().stats(), "kv_offload_hit_tokens": self.kv_manager.tier_hit_tokens,
                 "kv_offload_blocks_loaded": connector.blocks_loaded, "kv_offload_blocks_stored": connector.blocks_stored,
                 **{f"kv_offload_{tier.medium.lower()}_bytes": tier.used_bytes for tier in self.store.tiers}}
+
+
+class OffloadingSpecDecodeModelRunner(OffloadingModelRunner, SpecDecodeModelRunner):
+    """Chapter 9's verifying runner (its `sample`) with the connector's copies around the forward pass."""
+
+
+class OffloadingSpecDecodeEngine(OffloadingLLMEngine, SpecDecodeEngine):
+    """Speculative decoding with the tiers behind the pool: `speculative_config` goes on to chapter 9's
+    engine, the tiers' arguments stay with ours."""
+
+    runner_class = OffloadingSpecDecodeModelRunner

@@ -17,7 +17,8 @@ GEMV_ROWS = r"""
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-// out[m, n] = x[m, :] . w[n, :] for rows n in [begin, end) and M rows of x: each weight row is read once.
+// out[m, n] = x[m, :] . w[n, :] for rows n in [begin, end) and M rows of x. The vdpbf16ps loop reads each
+// weight row once for all M rows; the portable loop (below it) walks a weight row once per row of x.
 template <int M>
 void gemv_rows(const at::BFloat16* X, const at::BFloat16* W, at::BFloat16* O, int64_t K, int64_t N,
                int64_t begin, int64_t end) {

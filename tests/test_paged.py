@@ -1,6 +1,7 @@
 """PagedAttention: the block pool's invariants, copy-on-write, and equivalence with transformers."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from minivllm.config import ModelConfig
 from minivllm.book.recompute import generate_recompute
 from minivllm.model.loader import load_weights
 from minivllm.core.kv_cache_manager import KVCacheManager
-from minivllm.book.static_paged import StaticPagedGenerator
+from minivllm.book.static_paged import CopyOnWriteKVCacheManager, StaticPagedGenerator
 from minivllm.sampling_params import SamplingParams
 from tests.conftest import FAMILIES
 
@@ -62,7 +63,7 @@ def test_block_pool_never_hands_out_a_block_twice_nor_loses_one(num_blocks, ops)
        forks=st.lists(st.integers(0, 5), max_size=4), order=st.randoms(use_true_random=False))
 def test_every_block_is_free_again_once_all_sequences_are_freed_in_any_order(lengths, block_size, forks, order):
     pool = BlockPool(64)
-    manager = KVCacheManager(pool, block_size)
+    manager = CopyOnWriteKVCacheManager(pool, block_size)
     live = []
     for seq, length in enumerate(lengths):
         try:
@@ -121,7 +122,7 @@ def test_running_out_is_a_typed_error_that_changes_nothing():
 
 def test_copy_on_write_copies_only_the_shared_block_written_to():
     pool = BlockPool(10)
-    manager = KVCacheManager(pool, block_size=4)
+    manager = CopyOnWriteKVCacheManager(pool, block_size=4)
     manager.allocate("parent", 0, 6)  # blocks: full, half full
     manager.fork("parent", "child")
     full, partial = manager.block_tables["parent"]
@@ -133,6 +134,22 @@ def test_copy_on_write_copies_only_the_shared_block_written_to():
     manager.allocate("parent", 6, 1)  # now the parent's block is its own again: written in place
     assert manager.block_tables["parent"][1] == partial and len(manager.pending_copies) == 1
 
+
+
+def test_the_engines_manager_allocates_new_blocks_only_and_copy_on_write_lives_in_the_book():
+    """Issue 27: no engine path forks or writes into a shared block, so the engine's manager has no copy-on-write;
+    the book's static generator has it, in a subclass, and does its queued copies itself."""
+    assert not any(hasattr(KVCacheManager, name) for name in ("fork", "pending_copies", "_written_shared_blocks"))
+    manager = KVCacheManager(BlockPool(6), block_size=4)
+    manager.allocate("a", 0, 6)
+    manager.pool.share(manager.block_tables["a"])  # even a shared block is written in place: new blocks only
+    assert manager.blocks_needed("a", 6, 3) == 1
+    manager.allocate("a", 6, 3)
+    assert manager.block_tables["a"][:2] == [0, 1] and len(manager.block_tables["a"]) == 3
+    engine_sources = [Path(__file__).parents[1] / "minivllm" / folder for folder in ("core", "engine", "attention")]
+    for path in (p for folder in engine_sources for p in folder.rglob("*.py")):
+        text = path.read_text()
+        assert "pending_copies" not in text and "copy_blocks" not in text, path
 
 # ------------------------------------------------------------------ equivalence
 

@@ -37,10 +37,6 @@ class PagedKVCache:
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kv[layer, 0], self.kv[layer, 1]
 
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        for src, dst in copies:
-            self.kv[:, :, dst] = self.kv[:, :, src]
-
 
 class PagedAttention(AttentionMetadata):
     """The reference paged backend in plain PyTorch, for prefills (with or without cached context) and decodes.

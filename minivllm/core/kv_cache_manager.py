@@ -12,43 +12,23 @@ class KVCacheManager:
     def __init__(self, pool: BlockPool, block_size: int):
         self.pool, self.block_size = pool, block_size
         self.block_tables: dict[object, list[int]] = {}
-        self.pending_copies: list[tuple[int, int]] = []  # copy-on-write: (src, dst) blocks, before the next forward
         self.prefix_cache_queries = self.prefix_cache_hits = 0  # chapter 7: prompt tokens looked up, and found
 
-    def _written_shared_blocks(self, seq_id, start: int, count: int) -> list[int]:
-        """Logical indices of existing blocks that positions start .. start+count-1 write into and that are shared."""
-        table = self.block_tables.get(seq_id, [])
-        last = min(len(table), math.ceil((start + count) / self.block_size))
-        return [i for i in range(start // self.block_size, last) if self.pool.ref_counts[table[i]] > 1]
-
     def blocks_needed(self, seq_id, start: int, count: int) -> int:
-        """Free blocks needed to write `count` tokens from position `start`: new blocks, plus private copies
-        of shared blocks written into (copy-on-write)."""
-        new = max(0, math.ceil((start + count) / self.block_size) - len(self.block_tables.get(seq_id, [])))
-        return new + len(self._written_shared_blocks(seq_id, start, count))
+        """Free blocks needed to write `count` tokens from position `start`: the blocks past the table's end."""
+        return max(0, math.ceil((start + count) / self.block_size) - len(self.block_tables.get(seq_id, [])))
 
     def allocate(self, seq_id, start: int, count: int) -> None:
         """Make positions start .. start+count-1 writable; raises NoFreeBlocksError, changing nothing, if short."""
         needed = self.blocks_needed(seq_id, start, count)
         if needed > self.pool.num_free:
             raise NoFreeBlocksError(needed, self.pool.num_free)
-        table = self.block_tables.setdefault(seq_id, [])
-        for index in self._written_shared_blocks(seq_id, start, count):
-            [copy] = self.pool.allocate(1)
-            self.pending_copies.append((table[index], copy))
-            self.pool.free([table[index]])
-            table[index] = copy
-        table += self.pool.allocate(max(0, math.ceil((start + count) / self.block_size) - len(table)))
+        self.block_tables.setdefault(seq_id, []).extend(self.pool.allocate(needed))
 
     def slots(self, seq_id, start: int, count: int) -> list[int]:
         """Physical slots of positions start .. start+count-1 (allocated beforehand)."""
         table = self.block_tables[seq_id]
         return [table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, start + count)]
-
-    def fork(self, parent, child) -> None:
-        """`child` starts with the same blocks as `parent`, shared, not copied."""
-        self.block_tables[child] = list(self.block_tables[parent])
-        self.pool.share(self.block_tables[child])
 
     def free(self, seq_id) -> None:
         """Give back a sequence's blocks, last block first (as vLLM does): of its blocks, the first ones,

@@ -14,7 +14,7 @@ def prepare_paged_batch(kv_cache: PagedKVCache, manager: KVCacheManager, work: l
                         backend: type[PagedAttention] = PagedAttention):
     """Flat model input for one step. `work`: (seq_id, new token ids, position of the first one) per sequence,
     whose blocks are already allocated. Returns input_ids, positions, metadata (an instance of `backend`:
-    chapter 8 adds a Triton one); copy-on-write copies are done."""
+    chapter 8 adds a Triton one)."""
     device = kv_cache.kv.device
     input_ids, positions, slots, starts, seq_lens = [], [], [], [0], []
     for seq_id, tokens, start in work:
@@ -23,8 +23,6 @@ def prepare_paged_batch(kv_cache: PagedKVCache, manager: KVCacheManager, work: l
         slots += manager.slots(seq_id, start, len(tokens))
         starts.append(starts[-1] + len(tokens))
         seq_lens.append(start + len(tokens))
-    kv_cache.copy_blocks(manager.pending_copies)
-    manager.pending_copies.clear()
     tables = [manager.block_tables[seq_id] for seq_id, _, _ in work]
     width = max(len(t) for t in tables)
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)

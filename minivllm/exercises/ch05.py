@@ -27,16 +27,15 @@ def _gather_kv():
 
 @exercise("05.allocate")
 def _allocate():
-    """The reader's allocate(manager, seq_id, start, count) replaces KVCacheManager.allocate in chapter 5's
+    """The reader's allocate(manager, seq_id, start, count) replaces CopyOnWriteKVCacheManager.allocate in chapter 5's
     StaticPagedGenerator: n greedy samples of each prompt are forked, sharing the prompt's blocks."""
     from minivllm.book.mechanism_checks import divergence, greedy_reference, passage_prompts, tiny_model
-    from minivllm.book.static_paged import StaticPagedGenerator
+    from minivllm.book.static_paged import CopyOnWriteKVCacheManager, StaticPagedGenerator
     from minivllm.core.block_pool import BlockPool, NoFreeBlocksError
-    from minivllm.core.kv_cache_manager import KVCacheManager
     from minivllm.sampling_params import SamplingParams
 
     def manager_class(allocate):
-        class ReaderManager(KVCacheManager):
+        class ReaderManager(CopyOnWriteKVCacheManager):
             num_copies = 0
 
             def allocate(self, seq_id, start, count):
@@ -48,7 +47,7 @@ def _allocate():
     def run(allocate, lengths, n, block_size, num_blocks=64, max_tokens=8):
         model, tokenizer, _ = tiny_model()
         generator = StaticPagedGenerator(model, num_blocks, block_size, tokenizer)
-        generator.manager = manager_class(allocate or KVCacheManager.allocate)(generator.pool, block_size)
+        generator.manager = manager_class(allocate or CopyOnWriteKVCacheManager.allocate)(generator.pool, block_size)
         prompts = passage_prompts(lengths)
         samples = generator.generate(prompts, SamplingParams(temperature=0, n=n, max_tokens=max_tokens, ignore_eos=True))
         return generator, prompts, samples

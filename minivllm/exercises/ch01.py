@@ -45,7 +45,8 @@ def _in_the_decoder(replace, what: str, lengths=(23, 9, 40), max_tokens: int = 6
                     hidden = model(*NoCacheAttention.for_sequences([ids]))
                     ids.append(int(model.compute_logits(hidden[-1:])[0].argmax()))
                 where = divergence(ids[len(prompt):], greedy_reference(prompt, max_tokens))
-                expect(where is None, f"with your {what}, prompt {i}'s greedy tokens part from transformers' at {where}")
+                expect(where is None, f"with your {what}, prompt {i}'s greedy tokens part from transformers' at "
+                                      f"{where}")
     return test
 
 def _reader_norm(module, rms_norm, config):

@@ -124,8 +124,8 @@ def _spec_prompts():
 
 @exercise("09.expected_tokens")
 def _expected_tokens():
-    """The reader's expected_tokens(num_drafts, num_accepted_tokens_per_pos) reads vLLM's speculative counters
-    after every step of a real SpecDecodeEngine run and says how many tokens a verification round has made on
+    """The reader's measured_tokens_per_round(num_drafts, num_accepted_tokens_per_pos) reads vLLM's speculative
+    counters after every step of a real SpecDecodeEngine run and says how many tokens a verification round has made on
     average; the check counts what each round of the run returned, and compares after every step."""
     from minivllm.entrypoints.llm import LLM
     from minivllm.sampling_params import SamplingParams
@@ -145,7 +145,7 @@ def _expected_tokens():
         def test(expected_tokens):
             got = expected_tokens(num_drafts, list(per_pos))
             expect(isinstance(got, (int, float)) and abs(got - want) < 1e-9,
-                   f"{what}: expected_tokens({num_drafts}, {per_pos}) = {got!r}, expected {want}")
+                   f"{what}: measured_tokens_per_round({num_drafts}, {per_pos}) = {got!r}, expected {want}")
         return test
 
     def in_the_engine(spec, temperature, seed):
@@ -167,7 +167,8 @@ def _expected_tokens():
                 want = sum(sizes) / len(sizes) if sizes else 1.0
                 got = expected_tokens(drafts, list(per_pos))
                 expect(isinstance(got, (int, float)) and abs(got - want) < 1e-9,
-                       f"{spec['method']}, k={len(per_pos)}, after step {step}: expected_tokens({drafts}, {per_pos}) = "
+                       f"{spec['method']}, k={len(per_pos)}, after step {step}: "
+                       f"measured_tokens_per_round({drafts}, {per_pos}) = "
                        f"{got!r}, but its {len(sizes)} rounds made {sum(sizes)} tokens: {want:.6f} a round")
                 if drafts:  # vLLM's acceptance rate: accepted guesses over guesses made
                     k, alpha = len(per_pos), sum(per_pos) / stats["spec_decode_num_draft_tokens"]

@@ -104,10 +104,10 @@ def load_cpu_gemv(extra_cflags: tuple[str, ...] = ()):
 
 
 def gemv_selectable() -> bool:
-    """Whether the GEMV replaces oneDNN here: it built, with AVX-512 BF16's vdpbf16ps loop."""
+    """Whether the GEMV replaces torch's matmul here: it built, with AVX-512 BF16's vdpbf16ps loop."""
     try:
         return bool(load_cpu_gemv().has_dpbf16())
-    except Exception:  # no compiler, no headers: oneDNN keeps every product
+    except Exception:  # no compiler, no headers: torch's matmul keeps every product
         return False
 
 

@@ -358,23 +358,21 @@ def test_the_runner_keeps_its_own_block_tables_in_step_with_the_manager_and_neve
     for speculative_config in (None, {"method": "ngram", "num_speculative_tokens": 3}):
         llm = LLM(num_kv_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=24,
                   attention_backend="torch", speculative_config=speculative_config, scheduler_reserve_full_isl=False)
-        engine, runner, sent, checked = llm.engine, llm.engine.model_runner, {}, [0]
-        prepare = runner.prepare_inputs
+        engine, tables, sent, checked = llm.engine, llm.engine.model_runner.block_tables, {}, [0]
+        update = tables.update
 
-        def checking_prepare(scheduler_output):
-            result = prepare(scheduler_output)
-            for request_id in scheduler_output.new_request_ids:
+        def checking_update(new_request_ids, new_block_ids, freed_request_ids):
+            update(new_request_ids, new_block_ids, freed_request_ids)
+            for request_id in new_request_ids:
                 sent[request_id] = []
-            for request_id, block_ids in scheduler_output.new_block_ids.items():
+            for request_id, block_ids in new_block_ids.items():
                 sent[request_id] += block_ids
-                table = runner.block_tables
-                row = table.rows[request_id]
-                assert table.table[row, :int(table.lengths[row])].tolist() == engine.kv_manager.block_tables[request_id]
+                row = tables.rows[request_id]
+                assert tables.table[row, :int(tables.lengths[row])].tolist() == engine.kv_manager.block_tables[request_id]
                 if speculative_config is None:  # with it, _reserve also hands the runner blocks, between steps
                     assert sent[request_id] == engine.kv_manager.block_tables[request_id]
                 checked[0] += 1
-            return result
 
-        runner.prepare_inputs = checking_prepare
+        tables.update = checking_update
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
         assert checked[0] > 50 and engine.scheduler.num_preemptions > 0

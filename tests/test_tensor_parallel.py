@@ -313,3 +313,57 @@ def test_a_rank_reads_only_its_shard_of_the_checkpoint(tmp_path, monkeypatch):
         assert torch.equal(got.model.rotary_emb.cos, expected.model.rotary_emb.cos)
         held = sum(p.numel() for p in got.parameters())
         assert sum(read_elements) == held < 0.75 * whole_elements
+
+
+def test_the_driver_never_reads_the_whole_model(monkeypatch):
+    """Issue 27: LLM reads only the checkpoint's configuration before its options run, so with
+    tensor_parallel_size=2 no process reads the whole model: rank 0 reads its shard, the worker its own."""
+    from minivllm.model import loader
+
+    prompt = {"prompt_token_ids": [5, 17, 42, 7, 99, 3]}
+    expected = LLM(device="cpu", num_kv_blocks=32).generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+    def whole_model_read(*args, **kwargs):
+        raise AssertionError("the whole model was read")
+    monkeypatch.setattr(loader, "load_weights", whole_model_read)
+    llm = LLM(device="cpu", num_kv_blocks=32, tensor_parallel_size=2)
+    try:
+        assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("speculative_config", [None, {"method": "ngram", "num_speculative_tokens": 3},
+                                                {"method": "draft_model", "num_speculative_tokens": 2}])
+def test_a_worker_replaying_the_journal_keeps_the_drivers_block_tables(speculative_config):
+    """Each worker runs chapter 6's ModelRunner with its own block tables, made by replaying the driver's journal:
+    after every step the replayed tables equal the driver's row for row, through preemptions, prefix hits and the
+    blocks speculative decoding reserves between steps."""
+    from minivllm.distributed.executor import JournaledBlockTables, replay
+    from minivllm.engine.model_runner import BlockTables
+
+    llm = LLM(device="cpu", num_kv_blocks=14, block_size=4, max_num_seqs=4, max_num_batched_tokens=24,
+              attention_backend="torch", speculative_config=speculative_config, scheduler_reserve_full_isl=False)
+    runner = llm.engine.model_runner
+    runner.block_tables = JournaledBlockTables()
+    if speculative_config and speculative_config["method"] == "draft_model":
+        llm.engine.proposer.block_tables = runner.block_tables
+    worker_tables, forward, steps = BlockTables(), runner.forward, [0]
+
+    def forward_as_a_worker_would(work):
+        journal = runner.block_tables.take_journal()
+        replay(worker_tables, journal)
+        tables = runner.block_tables
+        for request_id, row in tables.rows.items():
+            mine = worker_tables.rows[request_id]
+            assert worker_tables.table[mine, :int(worker_tables.lengths[mine])].tolist() == \
+                tables.table[row, :int(tables.lengths[row])].tolist()
+        assert set(worker_tables.rows) == set(tables.rows)
+        steps[0] += 1
+        return forward(work)
+
+    runner.forward = forward_as_a_worker_would
+    prompts = [{"prompt_token_ids": [3 + (i * 7 + j) % 200 for j in range(12 + 5 * i)]} for i in range(6)]
+    prompts += [prompts[0], prompts[1]]  # prefix hits
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    assert steps[0] > 20 and llm.engine.scheduler.num_preemptions > 0

@@ -6,28 +6,31 @@ import weakref
 import torch.distributed as dist
 
 from minivllm.config import EngineConfig
-from minivllm.distributed.executor import TensorParallelWorkers, batch_message
+from minivllm.distributed.executor import JournaledBlockTables, TensorParallelWorkers
 from minivllm.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 from minivllm.distributed.shard import load_shard
 from minivllm.engine.checks import check_engine_config
 
 
 class TensorParallelRunner:
-    """Put in front of the engine's runner class, on the driver (rank 0): build the batch with that runner's
-    own `prepare_inputs`, hand it to every worker, run rank 0's shard (whose all-reduces meet the workers'),
-    and sample, or verify, with that runner's own `sample`, from the full hidden state."""
+    """Put in front of the engine's runner class, on the driver (rank 0): its block tables keep a journal, and
+    its `forward` hands every worker the journal and the work before running rank 0's shard, whose
+    all-reduces meet the workers'. That runner's own `execute` and `sample` do the rest."""
 
     workers: TensorParallelWorkers | None = None  # set by TensorParallelEngine
     broken: str | None = None
 
-    def execute(self, scheduler_output):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.block_tables = JournaledBlockTables()
+
+    def forward(self, work):
         if self.broken:
             raise RuntimeError(f"the tensor-parallel engine stopped after an earlier failure: {self.broken}")
         self.workers.check_alive()
-        input_ids, positions, metadata = self.prepare_inputs(scheduler_output)
         try:
-            self.workers.broadcast(batch_message(input_ids, positions, metadata))
-            hidden = self.model(input_ids, positions, metadata)  # its all-reduces wait for every rank
+            self.workers.broadcast((self.block_tables.take_journal(), work))
+            result = super().forward(work)  # its all-reduces wait for every rank
             self.workers.check_alive()  # a rank that died mid-step is the likely cause: name it
         except Exception as error:
             self.broken = str(error)  # the ranks may now be out of step: no further step can be trusted
@@ -37,7 +40,7 @@ class TensorParallelRunner:
                 self.broken = str(dead)
                 raise dead from error
             raise
-        return self.sample(scheduler_output.scheduled, hidden, metadata.query_start_loc)
+        return result
 
 
 class TensorParallelEngine:

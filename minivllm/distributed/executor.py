@@ -22,24 +22,33 @@ from minivllm.distributed.worker_plumbing import (
     remove_logs,
     stderr_to,
 )
+from minivllm.engine.model_runner import BlockTables, ModelRunner
 
 
-def batch_message(input_ids, positions, metadata) -> dict:
-    """What every worker needs to run the same step as the driver: the flat batch, where its keys and values
-    go, and the block tables. Plain lists: small and picklable."""
-    return {"input_ids": input_ids.tolist(), "positions": positions.tolist(),
-            "slot_mapping": metadata.slot_mapping.tolist(), "query_start_loc": metadata.query_start_loc.tolist(),
-            "seq_lens": metadata.seq_lens.tolist(), "block_tables": metadata.block_tables.tolist()}
+class JournaledBlockTables(BlockTables):
+    """The driver's block tables, recording every change since the journal was last taken: (method, *args)."""
+
+    def __init__(self):
+        super().__init__()
+        self.journal: list[tuple] = []
+
+    def forget(self, request_id: str) -> None:
+        self.journal.append(("forget", request_id))
+        super().forget(request_id)
+
+    def append(self, request_id: str, block_ids: list[int]) -> None:
+        self.journal.append(("append", request_id, list(block_ids)))
+        super().append(request_id, block_ids)
+
+    def take_journal(self) -> list[tuple]:
+        journal, self.journal = self.journal, []
+        return journal
 
 
-def run_batch(lm, kv_cache: PagedKVCache, backend, batch: dict) -> torch.Tensor:
-    """A worker's step: the same batch, its own shard of the model and of the KV cache."""
-    device = kv_cache.kv.device
-    longs = {k: torch.tensor(batch[k], dtype=torch.long, device=device)
-             for k in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens")}
-    tables = torch.tensor(batch["block_tables"], dtype=torch.int32, device=device)
-    metadata = backend(kv_cache, longs["slot_mapping"], longs["query_start_loc"], longs["seq_lens"], tables)
-    return lm(longs["input_ids"], longs["positions"], metadata)
+def replay(block_tables: BlockTables, journal: list[tuple]) -> None:
+    """Make the driver's changes, in its order, to a worker's tables."""
+    for method, *args in journal:
+        getattr(block_tables, method)(*args)
 
 
 def worker_main(rank: int, world_size: int, port: int, load_args: tuple, backend, cache_shape: tuple,
@@ -51,20 +60,22 @@ def worker_main(rank: int, world_size: int, port: int, load_args: tuple, backend
         read_shard, model, dtype, device_type = load_args
         device = torch.device(f"cuda:{rank}" if device_type == "cuda" else "cpu")
         lm = read_shard(model, dtype, device, rank, world_size)  # its shard only
-        kv_cache = PagedKVCache.for_model(lm, *cache_shape)
+        runner = ModelRunner(lm, PagedKVCache.for_model(lm, *cache_shape), backend)  # chapter 6's, as on rank 0
         outbox.put(("ready", rank, None))
         init_tensor_parallel(rank, world_size, port, device, timeout_s)
         parent = mp.parent_process()
         while True:
             try:
-                batch = inbox.get(timeout=0.5)
+                step = inbox.get(timeout=0.5)
             except queue.Empty:
                 if parent is not None and not parent.is_alive():
                     break  # the driver died without saying stop: do not outlive it
                 continue
-            if batch is None:
+            if step is None:
                 break
-            run_batch(lm, kv_cache, backend, batch)
+            journal, work = step
+            replay(runner.block_tables, journal)
+            runner.forward(work)
     except BaseException:
         outbox.put(("error", rank, traceback.format_exc()))
         raise SystemExit(1)
@@ -149,9 +160,9 @@ class TensorParallelWorkers:
             if kind == "error":
                 self.errors[rank] = error
 
-    def broadcast(self, batch: dict) -> None:
+    def broadcast(self, step: tuple) -> None:
         for inbox in self.inboxes:
-            inbox.put(batch)
+            inbox.put(step)
 
     def shutdown(self) -> None:
         self._stop()

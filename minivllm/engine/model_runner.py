@@ -46,13 +46,16 @@ class BlockTables:
 
     def update(self, new_request_ids, new_block_ids: dict[str, list[int]], freed_request_ids) -> None:
         for request_id in [*freed_request_ids, *new_request_ids]:
-            if request_id in self.rows:
-                row = self.rows.pop(request_id)
-                self.lengths[row] = 0
-                self.free_rows.append(row)
+            self.forget(request_id)
         for request_id, block_ids in new_block_ids.items():
             if block_ids:
                 self.append(request_id, block_ids)
+
+    def forget(self, request_id: str) -> None:
+        if request_id in self.rows:
+            row = self.rows.pop(request_id)
+            self.lengths[row] = 0
+            self.free_rows.append(row)
 
     def append(self, request_id: str, block_ids: list[int]) -> None:
         if request_id not in self.rows:
@@ -99,16 +102,16 @@ class ModelRunner:
         self.generator = torch.Generator(kv_cache.kv.device).manual_seed(seed)  # for requests without a seed
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        input_ids, positions, metadata = self.prepare_inputs(scheduler_output)
-        hidden = self.model(input_ids, positions, metadata)
-        return self.sample(scheduler_output.scheduled, hidden, metadata.query_start_loc)
-
-    def prepare_inputs(self, scheduler_output: SchedulerOutput):
-        """Update the block tables from the output, then the step's flat batch: input_ids, positions, metadata."""
         out = scheduler_output
         self.block_tables.update(out.new_request_ids, out.new_block_ids, out.freed_request_ids)
         work = [(r.request_id, self.tokens_to_run(r, n), r.num_computed_tokens) for r, n in out.scheduled]
-        return self.block_tables.batch(self.kv_cache, work, self.backend)
+        hidden, query_start_loc = self.forward(work)
+        return self.sample(out.scheduled, hidden, query_start_loc)
+
+    def forward(self, work: list[tuple[str, list[int], int]]):
+        """The model over `work`, (request id, tokens to run, first position) per request; plain data."""
+        input_ids, positions, metadata = self.block_tables.batch(self.kv_cache, work, self.backend)
+        return self.model(input_ids, positions, metadata), metadata.query_start_loc
 
     @staticmethod
     def tokens_to_run(request: Request, n: int) -> list[int]:

@@ -26,14 +26,18 @@ from minivllm.spec_decode.engine import SpecDecodeEngine
 @dataclass
 class EngineBuild:
     """What `LLM(...)` is about to build. A later chapter's option edits it (the configuration, the engine
-    class, the engine's extra arguments) before the engine is made; options editing different parts compose."""
+    class, the engine's extra arguments, how the weights are read) before the engine is made; options editing
+    different parts compose. No weight is read until every option has had its say."""
 
-    model: torch.nn.Module
+    model: torch.nn.Module  # on the meta device: the shapes, dtype and config that options plan with
     tokenizer: object
-    config: EngineConfig
+    config: EngineConfig  # num_kv_blocks is set after the load: on a GPU, the memory the weights left
     backend: type[PagedAttention]
+    device: torch.device
+    load: Callable[[], torch.nn.Module]  # reads the weights: the whole model, unless an option reads less
     load_args: tuple  # LLM's (model, dtype) as given: chapter 11's worker processes load the same checkpoint
-    sized_here: bool  # the KV cache was sized from a memory budget, not given as num_kv_blocks
+    sized_here: bool  # the KV cache is sized from a memory budget, not given as num_kv_blocks
+    after_load: list[Callable[[torch.nn.Module], None]] = field(default_factory=list)  # run on the loaded model
     engine_class: type[LLMEngine] = LLMEngine
     engine_kwargs: dict = field(default_factory=dict)
 
@@ -74,21 +78,24 @@ class LLM:
                             f"chapters have registered so far: {sorted(LLM_OPTIONS) or 'none'})")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         backend = (ATTENTION_SELECTORS[-1] if ATTENTION_SELECTORS else reference_backend)(attention_backend, device)
-        lm, self.tokenizer = load_model(model, dtype=dtype, device=device)
-        sized_here = num_kv_blocks is None
-        if sized_here:
-            num_kv_blocks = kv_blocks_for(lm, block_size, kv_cache_memory_bytes)
-        config = EngineConfig(block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
+        planned, self.tokenizer = load_model(model, dtype=dtype, device=device, weights=False)
+        config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                               enable_chunked_prefill=enable_chunked_prefill, seed=seed,
                               scheduler_reserve_full_isl=scheduler_reserve_full_isl,
                               max_request_share=max_request_share,
                               long_prefill_token_threshold=long_prefill_token_threshold)
-        build = EngineBuild(lm, self.tokenizer, config, backend, (model, dtype), sized_here)
+        build = EngineBuild(planned, self.tokenizer, config, backend, device, lambda: load_model(
+            model, dtype=dtype, device=device)[0], (model, dtype), sized_here=num_kv_blocks is None)
         for name, option in LLM_OPTIONS.items():  # in book order: a later option sees what earlier ones chose
             option.apply(build, options.get(name, option.default))
-        self.engine = build.engine_class(build.model, build.tokenizer, build.config, build.backend,
-                                         **build.engine_kwargs)
+        lm = build.load()
+        for change in build.after_load:
+            change(lm)
+        if build.sized_here:
+            num_kv_blocks = kv_blocks_for(lm, block_size, kv_cache_memory_bytes)
+        self.engine = build.engine_class(lm, build.tokenizer, replace(build.config, num_kv_blocks=num_kv_blocks),
+                                         build.backend, **build.engine_kwargs)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -180,7 +187,7 @@ def use_bf16_gemv(build, setting: str) -> None:
     if setting not in ("auto", "on", "off"):
         raise ValueError(f"bf16_gemv = {setting!r}: expected 'auto', 'on' or 'off'")
     if setting != "off":
-        use_gemv(build.model, portable=setting == "on")
+        build.after_load.append(lambda model: use_gemv(model, portable=setting == "on"))
 
 
 LLM_OPTIONS["bf16_gemv"] = EngineOption("auto", use_bf16_gemv)
@@ -197,11 +204,10 @@ LLM_OPTIONS["speculative_config"] = EngineOption(None, use_speculative_decoding)
 
 def use_tensor_parallelism(build: EngineBuild, tensor_parallel_size: int) -> None:
     """This process becomes rank 0 (scheduler, sampler, its shard); the other ranks are worker processes."""
-    device = build.model.lm_head.weight.device
-    check_tensor_parallel_size(tensor_parallel_size, build.model.config, device)
+    check_tensor_parallel_size(tensor_parallel_size, build.model.config, build.device)
     if tensor_parallel_size > 1:
         model, dtype = build.load_args
-        build.model = TensorParallelEngine.load_shard(model, dtype, device, 0, tensor_parallel_size)
+        build.load = lambda: TensorParallelEngine.load_shard(model, dtype, build.device, 0, tensor_parallel_size)
         build.engine_class = tensor_parallel(build.engine_class)
         build.engine_kwargs.update(tensor_parallel_size=tensor_parallel_size, load_args=build.load_args)
 

@@ -17,7 +17,7 @@ from minivllm.model.gguf_checks import (
     read_layout,
     refuse,
 )
-from minivllm.model.loader import FILE_LOADERS
+from minivllm.model.loader import FILE_LOADERS, meta_model
 
 
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -88,20 +88,21 @@ def unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def load_gguf(path, dtype=torch.float32, device="cpu", max_model_len: int | None = None):
-    """(CausalLM, tokenizer) from a GGUF file of a llama, qwen2 or qwen3 model; tokenizer None for a file
-    without one. Nothing is allocated before the tensors the metadata implies are found in the file."""
+def load_gguf(path, dtype=torch.float32, device="cpu", max_model_len: int | None = None, weights: bool = True):
+    """(CausalLM, tokenizer) from a GGUF file of a llama, qwen2 or qwen3 model; tokenizer None if it has none.
+    Nothing is allocated before the file holds the tensors its metadata implies; weights=False stops there."""
     path = Path(path)
     layout = read_gguf(path)
-    hf_config = gguf_hf_config(layout, max_model_len)
-    try:
-        config = ModelConfig.from_hf(hf_config)  # chapter 1's checks, on what the metadata asks for
+    try:  # chapter 1's checks, on what the metadata asks for
+        config = ModelConfig.from_hf(gguf_hf_config(layout, max_model_len))
     except ValueError as error:
         raise refuse(path, "metadata", str(error)) from None
-    with torch.device("meta"):  # the model's shapes, and no memory
-        shapes = {name: p.shape for name, p in CausalLM(config).named_parameters()}
+    planned = meta_model(config, dtype)  # the model's shapes, and no memory
+    shapes = {name: p.shape for name, p in planned.named_parameters()}
     check_tensors(layout, shapes, hf_name, optional={"lm_head.weight"} if config.tie_word_embeddings else set())
     check_memory(path, sum(math.prod(s) for s in shapes.values()) * dtype.itemsize, device)
+    if not weights:
+        return planned, gguf_tokenizer(layout)
     with torch.device(device):
         lm = CausalLM(config).to(dtype)
     params = dict(lm.named_parameters())

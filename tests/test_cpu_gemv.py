@@ -1,4 +1,4 @@
-"""Chapter 8b's bf16 GEMV (`minivllm/kernels/cpu_gemv.py`): the product of `nn.Linear` for 1 to 4 bf16 rows.
+"""Chapter 8b's GEMV (`minivllm/kernels/cpu_gemv.py`): the product of `nn.Linear` for 1 to 4 rows, bf16 or fp32.
 
 - **The product.** Against a float64 product of the same bf16 numbers, at shapes that break a blocked loop (one
   output row, fewer than four, a count that is not a multiple of four, one line of 32 weights, SmolLM2's 576 and
@@ -6,10 +6,16 @@
   times the one `torch.nn.functional.linear` makes in bf16 on the same inputs (both sum in fp32 and round once
   to bf16; they differ in the order of the additions). Checked for the AVX-512 BF16 loop where this CPU has it,
   and for the portable loop everywhere (built with -mno-avx512bf16).
-- **Its refusals**: other dtypes, more than four rows, K not a multiple of 32, each with an error naming it.
-- **`use_gemv`**: a float32 model is left as it is and nothing is compiled; in a bf16 model each plain
-  `nn.Linear` is replaced, in its parent, by a `GemvLinear` holding the same Parameter objects (no copy; a tied
-  output layer stays tied), and `bf16_gemv="auto"` does it exactly where `gemv_selectable()` says so.
+- **fp32**: the FMA loop where this CPU has AVX2 FMA, and the portable loop everywhere (built with -mno-fma): the
+  largest error relative to the largest output within 2^-20, as torch's own fp32 linear is.
+- **Its refusals**: other dtypes, more than four rows, K not a multiple of 32 (bf16) or 8 (fp32), each with an
+  error naming it.
+- **`use_gemv`**: by default a float32 model is left as it is and nothing is compiled; in a bf16 model (and with
+  everywhere=True in a float32 one) each plain `nn.Linear` is replaced, in its parent, by a `GemvLinear` holding
+  the same Parameter objects (no copy; a tied output layer stays tied), and `cpu_gemv="auto"` does it exactly
+  where `gemv_selectable()` says so.
+- **An fp32 engine with `cpu_gemv="on"`** gives transformers' greedy tokens on the book's prompts, every product
+  of at most 4 rows in the fp32 GEMV.
 - **The engine**: the GEMV sums in another order than torch's matmul, so its bf16 tokens can part from torch's at
   a near-tie (the test prints where they do). They are held to tests/test_bf16.py's definition of a correct bf16
   engine: greedy tokens equal fp32 transformers' up to the first step where fp32's two best logits are within
@@ -28,7 +34,7 @@ from minivllm.kernels.cpu_gemv import GEMV_MAX_ROWS, GemvLinear, gemv_selectable
 from minivllm.model.loader import DEFAULT_MODEL
 from tests.test_bf16 import BOOK_TEXTS, GREEDY_TOKENS, LOGIT_BOUND, first_divergence, greedy_with_margins
 
-PORTABLE = ("-mno-avx512bf16",)
+PORTABLE = ("-mno-avx512bf16", "-mno-fma")
 
 
 def built(extra_cflags=()):
@@ -52,8 +58,33 @@ def gemv(request):
         assert module.has_dpbf16()
     else:
         module = built(PORTABLE)
-        assert not module.has_dpbf16()
+        assert not module.has_dpbf16() and not module.has_fma()
     return module
+
+
+@pytest.fixture(params=["fma", "portable"])
+def gemv_f32(request):
+    module = built() if request.param == "fma" else built(PORTABLE)
+    if request.param == "fma" and not module.has_fma():
+        pytest.skip("this CPU has no AVX2 FMA")
+    assert module.has_fma() == (request.param == "fma")
+    return module
+
+
+@pytest.mark.parametrize("n", [1, 3, 5, 577])
+@pytest.mark.parametrize("k", [8, 576, 1536])
+def test_the_fp32_gemv_is_as_accurate_as_torchs_fp32_linear(gemv_f32, n, k):
+    gen = torch.Generator().manual_seed(n * 10_000 + k)
+    for m in range(1, GEMV_MAX_ROWS + 1):
+        x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen) / k ** 0.5
+        exact = x.double() @ w.double().T
+        got = gemv_f32.gemv_f32(x, w)
+        assert got.dtype == torch.float32 and got.shape == (m, n)
+        for product in (got, torch.nn.functional.linear(x, w)):
+            assert (product.double() - exact).abs().max() <= 2 ** -20 * exact.abs().max(), (m, n, k)
+    x = torch.randn(32, 3, generator=gen).T  # strided operands read as their values
+    w = torch.randn(32, 16, generator=gen).T
+    assert torch.equal(gemv_f32.gemv_f32(x, w), gemv_f32.gemv_f32(x.contiguous(), w.contiguous()))
 
 
 @pytest.mark.parametrize("n", [1, 3, 5, 577])
@@ -83,11 +114,15 @@ def test_gemv_reads_strided_activations_and_weights_as_their_values(gemv):
     ((5, 64), (8, 64), torch.bfloat16, "1 to 4 rows, not 5"),
     ((2, 48), (8, 48), torch.bfloat16, "K must be a multiple of 32, not 48"),
     ((2, 64), (8, 32), torch.bfloat16, r"x must be \[M, K\] and w \[N, K\]"),
+    ((1, 64), (8, 64), torch.bfloat16, "gemv_f32: x and w must be float32"),
+    ((5, 64), (8, 64), torch.float32, "gemv_f32: x must have 1 to 4 rows, not 5"),
+    ((2, 12), (8, 12), torch.float32, "gemv_f32: K must be a multiple of 8, not 12"),
 ])
 def test_gemv_refuses_what_it_cannot_compute(x_shape, w_shape, dtype, message):
     gemv = built(PORTABLE)  # the checks are the same code in both builds
+    product = gemv.gemv_f32 if message.startswith("gemv_f32") else gemv.gemv_bf16
     with pytest.raises(RuntimeError, match=message):
-        gemv.gemv_bf16(torch.zeros(x_shape, dtype=dtype), torch.zeros(w_shape, dtype=dtype))
+        product(torch.zeros(x_shape, dtype=dtype), torch.zeros(w_shape, dtype=dtype))
 
 
 class Tiny(nn.Module):
@@ -109,17 +144,26 @@ def test_use_gemv_leaves_a_float32_model_alone_and_compiles_nothing(monkeypatch)
     monkeypatch.setattr(cpu_gemv, "gemv_selectable", no_build)
     model = Tiny(torch.float32)
     before = dict(model.named_modules())
-    assert use_gemv(model) == 0 and use_gemv(model, portable=True) == 0
+    assert use_gemv(model) == 0
     assert dict(model.named_modules()) == before
-    llm = LLM()  # bf16_gemv="auto" by default
+    llm = LLM()  # cpu_gemv="auto" by default
     assert not any(isinstance(m, GemvLinear) for m in llm.engine.model.modules())
+
+
+def test_everywhere_puts_fp32_layers_in_the_fp32_gemv():
+    built()
+    model = Tiny(torch.float32)
+    assert use_gemv(model, everywhere=True) == 4  # blocks.0.0, blocks.0.1, odd (48 = 6 x 8) and head
+    assert model.head.weight is model.embed.weight
+    layer, x = model.odd, torch.randn(2, 48)
+    assert type(layer) is GemvLinear and torch.equal(layer(x), load_cpu_gemv().gemv_f32(x, layer.weight) + layer.bias)
 
 
 def test_use_gemv_puts_gemv_layers_in_place_holding_the_same_parameters():
     built()
     model = Tiny(torch.bfloat16)
     params = {name: p for name, p in model.named_parameters(remove_duplicate=False)}
-    assert use_gemv(model, portable=True) == 3  # blocks.0.0, blocks.0.1, head; not odd
+    assert use_gemv(model, everywhere=True) == 3  # blocks.0.0, blocks.0.1, head; not odd
     assert [type(model.get_submodule(n)) for n in ("blocks.0.0", "blocks.0.1", "head", "odd")] == [
         GemvLinear, GemvLinear, GemvLinear, nn.Linear]
     assert {name: p for name, p in model.named_parameters(remove_duplicate=False)}.keys() == params.keys()
@@ -139,8 +183,8 @@ def test_auto_takes_the_gemv_exactly_where_it_is_selectable():
     gemv_layers = sum(isinstance(m, GemvLinear) for m in llm.engine.model.modules())
     plain = sum(type(m) is nn.Linear for m in llm.engine.model.modules())
     assert (gemv_layers > 0 and plain == 0) if gemv_selectable() else (gemv_layers == 0 and plain > 0)
-    with pytest.raises(ValueError, match="bf16_gemv = 'yes'"):
-        LLM(dtype="bfloat16", bf16_gemv="yes")
+    with pytest.raises(ValueError, match="cpu_gemv = 'yes'"):
+        LLM(dtype="bfloat16", cpu_gemv="yes")
 
 
 @needs_dpbf16
@@ -165,7 +209,7 @@ def gemv_greedy_runs():
 
     runs, limits = {}, dict(max_num_seqs=GEMV_MAX_ROWS, max_num_batched_tokens=GEMV_MAX_ROWS)
     for setting in ("on", "off"):  # at most 4 rows a step: prefill chunks and decode steps all fit the GEMV
-        llm = LLM(dtype="bfloat16", bf16_gemv=setting, **limits)
+        llm = LLM(dtype="bfloat16", cpu_gemv=setting, **limits)
         prompts = [llm.tokenizer(t).input_ids[:64] for t in BOOK_TEXTS]
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(cpu_gemv, "load_cpu_gemv", lambda: Counting)
@@ -199,3 +243,29 @@ def test_the_gemv_engine_is_a_correct_bf16_engine(gemv_greedy_runs, capsys):
             assert margins[diverged] < tie, lines[-1]
     with capsys.disabled():
         print("\n" + "\n".join(lines))
+
+
+def test_an_fp32_engine_on_the_fp32_gemv_gives_transformers_tokens():
+    built()
+    calls = []
+    module = load_cpu_gemv()
+
+    class Counting:
+        @staticmethod
+        def gemv_f32(x, w):
+            calls.append(x.shape[0])
+            return module.gemv_f32(x, w)
+
+    llm = LLM(cpu_gemv="on", max_num_seqs=GEMV_MAX_ROWS, max_num_batched_tokens=GEMV_MAX_ROWS)
+    prompts = [llm.tokenizer(t).input_ids[:64] for t in BOOK_TEXTS]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_gemv, "load_cpu_gemv", lambda: Counting)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True), use_tqdm=False)
+    assert len(calls) > 100
+    hf = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
+    for prompt, output in zip(prompts, outputs):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS,
+                               do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+        assert output.outputs[0].token_ids == want

@@ -181,16 +181,16 @@ if attention_backend_class not in ATTENTION_SELECTORS:  # a notebook cell may ru
     ATTENTION_SELECTORS.append(attention_backend_class)
 
 
-def use_bf16_gemv(build, setting: str) -> None:
-    """bf16_gemv: "auto" runs a bf16 model's products of few rows in the GEMV where it is selectable (AVX-512
-    BF16), "on" wherever the GEMV builds (the portable loop too), "off" never."""
+def use_cpu_gemv(build, setting: str) -> None:
+    """cpu_gemv: "auto" runs a bf16 model's products of few rows in the GEMV where it is selectable (AVX-512 BF16),
+    "on" a bf16 or fp32 model's wherever the GEMV builds (the portable loops too), "off" never."""
     if setting not in ("auto", "on", "off"):
-        raise ValueError(f"bf16_gemv = {setting!r}: expected 'auto', 'on' or 'off'")
+        raise ValueError(f"cpu_gemv = {setting!r}: expected 'auto', 'on' or 'off'")
     if setting != "off":
-        build.after_load.append(lambda model: use_gemv(model, portable=setting == "on"))
+        build.after_load.append(lambda model: use_gemv(model, everywhere=setting == "on"))
 
 
-LLM_OPTIONS["bf16_gemv"] = EngineOption("auto", use_bf16_gemv)
+LLM_OPTIONS["cpu_gemv"] = EngineOption("auto", use_cpu_gemv)
 
 
 def use_speculative_decoding(build: EngineBuild, speculative_config: dict | None) -> None:

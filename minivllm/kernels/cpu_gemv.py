@@ -49,20 +49,64 @@ void gemv_rows(const at::BFloat16* X, const at::BFloat16* W, at::BFloat16* O, in
 """
 
 
+GEMV_ROWS_F32 = r"""
+// The same product for fp32 weights, with AVX2's fused multiply-add (vfmadd231ps): eight floats of a weight row
+// times eight of an activation row, added into eight fp32 sums, one instruction.
+template <int M>
+void gemv_rows(const float* X, const float* W, float* O, int64_t K, int64_t N, int64_t begin, int64_t end) {
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; begin + 4 <= end; begin += 4) {  // four weight rows at once, each line of them serving all M rows
+    __m256 acc[4][M];
+    for (int r = 0; r < 4; ++r) for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+      __m256 xv[M];
+      for (int m = 0; m < M; ++m) xv[m] = _mm256_loadu_ps(X + m * K + k);
+      for (int r = 0; r < 4; ++r) {
+        const __m256 wv = _mm256_loadu_ps(W + (begin + r) * K + k);
+        for (int m = 0; m < M; ++m) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]);
+      }
+    }
+    for (int r = 0; r < 4; ++r)  // the eight partial sums of each output, added
+      for (int m = 0; m < M; ++m) {
+        const __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc[r][m]), _mm256_extractf128_ps(acc[r][m], 1));
+        const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+        O[m * N + begin + r] = _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+      }
+  }
+#endif
+  for (int64_t n = begin; n < end; ++n)  // the portable loop (and the last rows)
+    for (int m = 0; m < M; ++m) {
+      float dot = 0.f;
+      #pragma omp simd reduction(+:dot)
+      for (int64_t k = 0; k < K; ++k) dot += X[m * K + k] * W[n * K + k];
+      O[m * N + n] = dot;
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+bool has_fma() { return true; }  // whether this build has the FMA loop (compiled for this CPU: -march=native)
+#else
+bool has_fma() { return false; }
+#endif
+"""
+
+
 GEMV_CALL = r"""
-// x [M, K] times w [N, K] transposed: the product of nn.Linear, for 1 to 4 rows, all bf16.
-torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
-              "gemv_bf16: x and w must be bfloat16");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv_bf16: x must be [M, K] and w [N, K]");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 4, "gemv_bf16: x must have 1 to 4 rows, not ", x.size(0));
-  TORCH_CHECK(w.size(1) % 32 == 0, "gemv_bf16: K must be a multiple of 32, not ", w.size(1));
+// x [M, K] times w [N, K] transposed: the product of nn.Linear, for 1 to 4 rows, all of type T. The loops are
+// the gemv_rows overload for T; `line` is how many weights of a row they take at once.
+template <typename T>
+torch::Tensor gemv(torch::Tensor x, torch::Tensor w, const char* name, const char* type_name, int64_t line) {
+  const auto dtype = c10::CppTypeToScalarType<T>::value;
+  TORCH_CHECK(x.scalar_type() == dtype && w.scalar_type() == dtype, name, ": x and w must be ", type_name);
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), name, ": x must be [M, K] and w [N, K]");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 4, name, ": x must have 1 to 4 rows, not ", x.size(0));
+  TORCH_CHECK(w.size(1) % line == 0, name, ": K must be a multiple of ", line, ", not ", w.size(1));
   auto xc = x.contiguous(), wc = w.contiguous();  // no copy for a layer's own weights
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1), groups = (N + 3) / 4;
   auto out = torch::empty({M, N}, x.options());
-  const auto* X = xc.data_ptr<at::BFloat16>();
-  const auto* W = wc.data_ptr<at::BFloat16>();
-  auto* O = out.data_ptr<at::BFloat16>();
+  const T* X = xc.data_ptr<T>();
+  const T* W = wc.data_ptr<T>();
+  T* O = out.data_ptr<T>();
   at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {  // each thread: a range of 4-row groups
     const int64_t first = 4 * begin, last = std::min(N, 4 * end);
     switch (M) {
@@ -74,6 +118,11 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w) {
   });
   return out;
 }
+
+torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w) {
+  return gemv<at::BFloat16>(x, w, "gemv_bf16", "bfloat16", 32);
+}
+torch::Tensor gemv_f32(torch::Tensor x, torch::Tensor w) { return gemv<float>(x, w, "gemv_f32", "float32", 8); }
 
 bool has_dpbf16() {  // whether this build has the AVX-512 BF16 loop (compiled for this CPU: -march=native)
 #ifdef __AVX512BF16__
@@ -87,8 +136,9 @@ bool has_dpbf16() {  // whether this build has the AVX-512 BF16 loop (compiled f
 
 @functools.cache
 def load_cpu_gemv(extra_cflags: tuple[str, ...] = ()):
-    """The compiled GEMV module (`gemv_bf16`, `has_dpbf16`), built once per install beside the attention kernel;
-    `extra_cflags` builds a variant elsewhere (the tests build the portable loop with -mno-avx512bf16)."""
+    """The compiled GEMV module (`gemv_bf16`, `gemv_f32`, `has_dpbf16`, `has_fma`), built once per install beside
+    the attention kernel; `extra_cflags` builds a variant elsewhere (the tests build the portable loops with
+    -mno-avx512bf16 -mno-fma)."""
     from torch.utils.cpp_extension import load_inline
 
     if shutil.which("ninja") is None:  # PyTorch builds with ninja; pip installs one beside this Python
@@ -98,13 +148,14 @@ def load_cpu_gemv(extra_cflags: tuple[str, ...] = ()):
     if folder is not None:
         folder = Path(folder).with_name(name)
         folder.mkdir(exist_ok=True)
-    return load_inline(name, cpp_sources=GEMV_ROWS + GEMV_CALL, functions=["gemv_bf16", "has_dpbf16"],
+    return load_inline(name, cpp_sources=GEMV_ROWS + GEMV_ROWS_F32 + GEMV_CALL,
+                       functions=["gemv_bf16", "gemv_f32", "has_dpbf16", "has_fma"],
                        extra_cflags=["-O3", "-march=native", "-fopenmp", *extra_cflags], extra_ldflags=["-fopenmp"],
                        build_directory=None if folder is None else str(folder))
 
 
 def gemv_selectable() -> bool:
-    """Whether the GEMV replaces torch's matmul here: it built, with AVX-512 BF16's vdpbf16ps loop."""
+    """Whether the GEMV replaces torch's bf16 matmul by default here: it built, with AVX-512 BF16's vdpbf16ps loop."""
     try:
         return bool(load_cpu_gemv().has_dpbf16())
     except Exception:  # no compiler, no headers: torch's matmul keeps every product
@@ -112,14 +163,16 @@ def gemv_selectable() -> bool:
 
 
 GEMV_MAX_ROWS = 4  # the GEMV's templates: 1 to 4 rows; more rows go to torch's matmul
+GEMV_LINES = {torch.bfloat16: 32, torch.float32: 8}  # its dtypes, and how many weights of a row it loads at once
 
 
 class GemvLinear(nn.Linear):
-    """An nn.Linear with bf16 weights whose products of at most GEMV_MAX_ROWS rows run in the GEMV."""
+    """An nn.Linear with bf16 or fp32 weights whose products of at most GEMV_MAX_ROWS rows run in the GEMV."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_ROWS and x.dtype == torch.bfloat16:
-            out = load_cpu_gemv().gemv_bf16(x, self.weight)
+        if x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_ROWS and x.dtype == self.weight.dtype:
+            gemv = load_cpu_gemv()
+            out = (gemv.gemv_bf16 if x.dtype == torch.bfloat16 else gemv.gemv_f32)(x, self.weight)
             return out if self.bias is None else out + self.bias
         return super().forward(x)
 
@@ -131,15 +184,16 @@ class GemvLinear(nn.Linear):
         return gemv
 
 
-def use_gemv(model: nn.Module, portable: bool = False) -> int:
-    """Puts a GemvLinear sharing its Parameters in the place of each plain nn.Linear of `model` with bf16 weights
-    on a CPU, where the GEMV is selectable (`portable`: wherever it builds); returns how many."""
+def use_gemv(model: nn.Module, everywhere: bool = False) -> int:
+    """Puts a GemvLinear sharing its Parameters in the place of plain nn.Linear layers of `model` on a CPU: those
+    with bf16 weights where the GEMV is selectable; with `everywhere`, bf16 and fp32 ones wherever it builds."""
+    lines = GEMV_LINES if everywhere else {torch.bfloat16: GEMV_LINES[torch.bfloat16]}
     eligible = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-                if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16
-                and child.weight.device.type == "cpu" and child.in_features % 32 == 0]
-    if not eligible or not (portable or gemv_selectable()):  # no bf16 layer: nothing is compiled
+                if type(child) is nn.Linear and child.weight.device.type == "cpu"
+                and child.weight.dtype in lines and child.in_features % lines[child.weight.dtype] == 0]
+    if not eligible or not (everywhere or gemv_selectable()):  # no such layer: nothing is compiled
         return 0
-    load_cpu_gemv()  # with portable=True, a GEMV that does not build raises here, before any layer changes
+    load_cpu_gemv()  # with everywhere=True, a GEMV that does not build raises here, before any layer changes
     for parent, name, child in eligible:
         setattr(parent, name, GemvLinear.sharing(child))
     return len(eligible)

@@ -4,7 +4,8 @@ The model is the appendix's real SmolLM2-135M-Instruct (its Q4_1 GGUF file, dequ
 For each dtype and batch size (1 and 32 requests of a 199-token prompt, 128 greedy tokens each) the engine's
 decode steps are timed (wall time, torch's threads); configurations alternate round after round and each keeps
 its min and median. The engine runs as `LLM(dtype=...)` builds it: in bfloat16, chapter 8b's GEMV takes the
-products of few rows where this CPU has AVX-512 BF16 (each row counts its `gemv_linear_layers`).
+products of few rows where this CPU has AVX-512 BF16 (each row counts its `gemv_linear_layers`); one more row,
+"float32 GEMV" at batch 1, is float32 with `cpu_gemv="on"`: chapter 8b's fp32 GEMV, which fp32 takes only when asked.
 Two fractions say how near the limits a row is:
 
 - batch 1 against memory bandwidth: a decode step reads every weight once and the cached keys and values of its
@@ -30,7 +31,9 @@ from pathlib import Path
 
 import torch
 
-PROMPT_LEN, OUTPUT_LEN, BATCHES, DTYPES = 199, 128, (1, 32), ("float32", "bfloat16")
+PROMPT_LEN, OUTPUT_LEN, BATCHES = 199, 128, (1, 32)
+# minivllm's configurations: name -> (dtype, cpu_gemv); "float32 GEMV" is chapter 8b's fp32 GEMV, asked for
+CONFIGURATIONS = {"float32": ("float32", "auto"), "bfloat16": ("bfloat16", "auto"), "float32 GEMV": ("float32", "on")}
 
 
 def copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
@@ -69,10 +72,10 @@ def step_costs(config, batch: int, context: int, dtype_bytes: int) -> tuple[floa
 class DecodeTimer:
     """One engine, whose decode steps (not the prefill, not the last) are timed by wall clock."""
 
-    def __init__(self, model: str, dtype: str, batch: int):
+    def __init__(self, model: str, dtype: str, batch: int, cpu_gemv: str = "auto"):
         from minivllm import LLM, SamplingParams
 
-        self.llm = LLM(model, dtype=dtype, enable_prefix_caching=False, max_num_seqs=batch,
+        self.llm = LLM(model, dtype=dtype, cpu_gemv=cpu_gemv, enable_prefix_caching=False, max_num_seqs=batch,
                        max_num_batched_tokens=PROMPT_LEN * batch + batch)
         self.prompts = [{"prompt_token_ids": [100 + i] + list(range(101, 100 + PROMPT_LEN))} for i in range(batch)]
         self.params = SamplingParams(temperature=0, max_tokens=OUTPUT_LEN, ignore_eos=True)
@@ -139,7 +142,8 @@ def measure(model: str, gguf: Path, rounds: int) -> tuple[dict, dict]:
     all): {(engine, dtype, batch): per-round results} and the timers. minivllm's results are seconds per decode
     step, llama.cpp's decode tokens per second (what its tools print)."""
     with tempfile.TemporaryDirectory(prefix="bench-llama-") as folder:
-        timers = {("minivllm", dtype, batch): DecodeTimer(model, dtype, batch) for batch in BATCHES for dtype in DTYPES}
+        timers = {("minivllm", name, batch): DecodeTimer(model, dtype, batch, gemv) for batch in BATCHES
+                  for name, (dtype, gemv) in CONFIGURATIONS.items() if batch == 1 or gemv == "auto"}  # GEMV: 1 to 4 rows
         timers |= llama_cpp_timers(gguf, folder, torch.get_num_threads())
         timers = dict(sorted(timers.items(), key=lambda item: item[0][2]))  # batch 1 first, engines side by side
         for timer in timers.values():
@@ -153,13 +157,13 @@ def measure(model: str, gguf: Path, rounds: int) -> tuple[dict, dict]:
     return results, timers
 
 
-def minivllm_row(dtype: str, batch: int, seconds: list[float], timer: DecodeTimer, bandwidth: float) -> dict:
-    from minivllm.kernels.cpu_gemv import GemvLinear  # bf16_gemv="auto": the GEMV where this CPU has AVX-512 BF16
+def minivllm_row(name: str, batch: int, seconds: list[float], timer: DecodeTimer, bandwidth: float) -> dict:
+    from minivllm.kernels.cpu_gemv import GemvLinear  # cpu_gemv="auto": the bf16 GEMV where this CPU has AVX-512 BF16
 
-    best, median = min(seconds), statistics.median(seconds)
+    dtype, best, median = CONFIGURATIONS[name][0], min(seconds), statistics.median(seconds)
     bytes_read, flops = step_costs(timer.llm.engine.model.config, batch, PROMPT_LEN + OUTPUT_LEN // 2,
                                    2 if dtype == "bfloat16" else 4)
-    row = {"engine": "minivllm", "dtype": dtype, "batch": batch, "step_ms_min": 1000 * best,
+    row = {"engine": "minivllm", "dtype": name, "batch": batch, "step_ms_min": 1000 * best,
            "step_ms_median": 1000 * median, "decode_tokens_per_s": batch / median,
            "decode_tokens_per_s_best": batch / best, "all_step_ms": [1000 * s for s in seconds],
            "attention_backend": timer.llm.engine.model_runner.backend.__name__,
@@ -191,6 +195,8 @@ def dtypes(args) -> dict:
     by = {(r["engine"], r.get("dtype"), r.get("batch")): r for r in rows}
     ratios = {f"bfloat16 / float32, batch {b}": by["minivllm", "bfloat16", b]["decode_tokens_per_s"]
               / by["minivllm", "float32", b]["decode_tokens_per_s"] for b in BATCHES}
+    ratios["float32 GEMV / float32, batch 1"] = by["minivllm", "float32 GEMV", 1]["decode_tokens_per_s"] \
+        / by["minivllm", "float32", 1]["decode_tokens_per_s"]
     for row in rows:
         print(json.dumps(row), flush=True)
     return {"model": f"SmolLM2-135M-Instruct ({gguf.name}, dequantized)", "prompt_tokens": PROMPT_LEN,

@@ -193,12 +193,8 @@ def test_auto_selects_the_avx512_bf16_loop():
     assert use_gemv(Tiny(torch.bfloat16)) == 3
 
 
-@pytest.fixture(scope="module")
-def gemv_greedy_runs():
-    """For each book prompt: the GEMV engine's bf16 tokens, torch's matmul's, fp32 transformers', fp32's top-two gaps
-    and the near-tie threshold; and how many products of at most 4 rows the GEMV computed."""
-    built()
-    calls = []
+def counting_gemv(calls: list) -> object:
+    """The GEMV module, with each product's row count appended to `calls` (to patch in as load_cpu_gemv())."""
     module = load_cpu_gemv()
 
     class Counting:
@@ -207,6 +203,21 @@ def gemv_greedy_runs():
             calls.append(x.shape[0])
             return module.gemv_bf16(x, w)
 
+        @staticmethod
+        def gemv_f32(x, w):
+            calls.append(x.shape[0])
+            return module.gemv_f32(x, w)
+
+    return Counting
+
+
+@pytest.fixture(scope="module")
+def gemv_greedy_runs():
+    """For each book prompt: the GEMV engine's bf16 tokens, torch's matmul's, fp32 transformers', fp32's top-two gaps
+    and the near-tie threshold; and how many products of at most 4 rows the GEMV computed."""
+    built()
+    calls = []
+    Counting = counting_gemv(calls)
     runs, limits = {}, dict(max_num_seqs=GEMV_MAX_ROWS, max_num_batched_tokens=GEMV_MAX_ROWS)
     for setting in ("on", "off"):  # at most 4 rows a step: prefill chunks and decode steps all fit the GEMV
         llm = LLM(dtype="bfloat16", cpu_gemv=setting, **limits)
@@ -248,14 +259,7 @@ def test_the_gemv_engine_is_a_correct_bf16_engine(gemv_greedy_runs, capsys):
 def test_an_fp32_engine_on_the_fp32_gemv_gives_transformers_tokens():
     built()
     calls = []
-    module = load_cpu_gemv()
-
-    class Counting:
-        @staticmethod
-        def gemv_f32(x, w):
-            calls.append(x.shape[0])
-            return module.gemv_f32(x, w)
-
+    Counting = counting_gemv(calls)
     llm = LLM(cpu_gemv="on", max_num_seqs=GEMV_MAX_ROWS, max_num_batched_tokens=GEMV_MAX_ROWS)
     prompts = [llm.tokenizer(t).input_ids[:64] for t in BOOK_TEXTS]
     with pytest.MonkeyPatch.context() as patch:

@@ -4,6 +4,9 @@
 import json
 from pathlib import Path
 
+import pytest
+import torch
+
 from minivllm.tools import bench
 
 
@@ -68,3 +71,21 @@ def test_dtypes_counts_a_decode_steps_bytes_and_flops_and_skips_a_missing_llama_
     monkeypatch.setenv("PATH", "")
     monkeypatch.delenv("LLAMA_CPP_BIN", raising=False)
     assert bench_dtypes.llama_cpp_timers(Path("none.gguf"), "unused", 2) == {}  # no binaries: llama.cpp is skipped
+
+
+def test_the_dtypes_matmul_rate_is_measured_on_the_models_own_products():
+    from types import SimpleNamespace
+
+    from minivllm.tools import bench_dtypes
+
+    shape = SimpleNamespace(hidden_size=64, intermediate_size=128)
+    timed = []
+    real = torch.nn.functional.linear
+
+    def recording(x, w, bias=None):
+        timed.append((tuple(x.shape), tuple(w.shape), x.dtype))
+        return real(x, w, bias)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.nn.functional, "linear", recording)
+        assert bench_dtypes.matmul_rate(torch.bfloat16, shape, 32, repeats=2) > 0
+    assert set(timed) == {((32, 64), (128, 64), torch.bfloat16), ((32, 128), (64, 128), torch.bfloat16)}

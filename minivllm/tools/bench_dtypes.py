@@ -11,7 +11,7 @@ Two fractions say how near the limits a row is:
 - batch 1 against memory bandwidth: a decode step reads every weight once and the cached keys and values of its
   context, so (weight bytes + KV bytes) / step time, over the bandwidth of a large torch copy measured here;
 - batch 32 against the matmul rate: the step's FLOPs (2 per weight per token, plus attention) / step time, over
-  the rate of square matmuls of that dtype measured here.
+  the rate torch's linear reaches here in that dtype on the model's MLP products at that batch (`matmul_rate`).
 
 llama.cpp is a peer when its binaries are found (`llama-bench`, `llama-batched-bench`, `llama-quantize` on PATH or
 in $LLAMA_CPP_BIN): the same model as F32, F16 and its Q4_1 file, one stream at the same context depth and 32
@@ -44,11 +44,20 @@ def copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
     return 2 * src.numel() * 4 / best
 
 
-def matmul_rate(dtype: torch.dtype, size: int = 1024, repeats: int = 5) -> float:
-    """FLOPs per second of square matmuls in this dtype (oneDNN's bf16 kernels on a CPU that has them)."""
-    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
-    torch.mm(a, b)
-    return 2 * size ** 3 / min(_timed(lambda: torch.mm(a, b)) for _ in range(repeats))
+def matmul_rate(dtype: torch.dtype, config, batch: int, repeats: int = 5) -> float:
+    """FLOPs per second that torch's linear reaches in this dtype on the model's own MLP products at this batch
+    ([batch, hidden] by gate/up, [batch, intermediate] by down): the peak a decode step's products can reach here.
+    Square 1024 x 1024 matmuls are no peak for bf16 on a CPU without AVX-512 (PyTorch's generic loops: about
+    1 GFLOP/s on the AMD EPYC of 2026-12-03, far below what its linear layers reach at these shapes)."""
+    h, i = config.hidden_size, config.intermediate_size
+    x, up, xi, down = (torch.randn(*shape).to(dtype) for shape in ((batch, h), (i, h), (batch, i), (h, i)))
+
+    def products():
+        torch.nn.functional.linear(x, up)
+        torch.nn.functional.linear(xi, down)
+
+    products()
+    return 2 * 2 * batch * h * i / min(_timed(products) for _ in range(repeats))
 
 
 def _timed(fn) -> float:
@@ -171,7 +180,7 @@ def minivllm_row(name: str, batch: int, seconds: list[float], timer: DecodeTimer
     if batch == 1:
         return row | {"bytes_per_step": bytes_read, "memory_bandwidth_gb_s": bandwidth / 1e9,
                       "bandwidth_fraction": bytes_read / median / bandwidth}
-    rate = matmul_rate(getattr(torch, dtype))
+    rate = matmul_rate(getattr(torch, dtype), timer.llm.engine.model.config, batch)
     return row | {"flops_per_step": flops, "matmul_gflops_per_s": rate / 1e9, "matmul_fraction": flops / median / rate}
 
 

@@ -86,7 +86,7 @@ class LLM:
                               max_request_share=max_request_share,
                               long_prefill_token_threshold=long_prefill_token_threshold)
         build = EngineBuild(planned, self.tokenizer, config, backend, device, lambda: load_model(
-            model, dtype=dtype, device=device)[0], (model, dtype), sized_here=num_kv_blocks is None)
+            model, dtype=dtype, device=device, tokenizer=False)[0], (model, dtype), sized_here=num_kv_blocks is None)
         for name, option in LLM_OPTIONS.items():  # in book order: a later option sees what earlier ones chose
             option.apply(build, options.get(name, option.default))
         lm = build.load()

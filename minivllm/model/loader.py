@@ -77,9 +77,8 @@ def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype, device: 
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-# single-file checkpoints: file suffix -> loader(path, dtype=..., device=..., weights=...) returning (CausalLM,
-# tokenizer).
-# Empty here; a later part of the book registers its format (the appendix adds ".gguf").
+# single-file checkpoints: suffix -> loader(path, dtype=, device=, weights=, tokenizer=) -> (CausalLM, tokenizer);
+# empty here: a later part of the book registers its format (the appendix adds ".gguf")
 FILE_LOADERS: dict[str, Callable] = {}
 
 
@@ -89,13 +88,14 @@ def meta_model(config: ModelConfig, dtype: torch.dtype) -> CausalLM:
         return CausalLM(config).to(dtype).eval()
 
 
-def load_model(model: str | Path | None = None, dtype=None, device=None, weights: bool = True):
+def load_model(model: str | Path | None = None, dtype=None, device=None, weights: bool = True, tokenizer: bool = True):
     """Returns (CausalLM, tokenizer) for a checkpoint folder, a hub name, None (the embedded model), or a
     single file whose suffix has a loader in FILE_LOADERS (its dtype defaults to float32).
 
     A folder without tokenizer files (a bare `save_pretrained` of a model) gives tokenizer None: it can
     still generate from token ids. weights=False reads no weight: the CausalLM is on the meta device, its
-    shapes and dtype only, for a caller that plans before it loads (chapter 6's LLM)."""
+    shapes and dtype only, for a caller that plans before it loads (chapter 6's LLM); tokenizer=False gives
+    tokenizer None, for a caller that has it already."""
     from transformers import AutoTokenizer
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -105,7 +105,7 @@ def load_model(model: str | Path | None = None, dtype=None, device=None, weights
             raise ValueError(f"no loader for {suffix or 'suffix-less'!r} files ({model}); a model is a checkpoint "
                              f"folder, a hub name, or a file with one of the suffixes {sorted(FILE_LOADERS)}")
         return FILE_LOADERS[suffix](model, dtype=resolve_dtype(dtype or torch.float32, None, device), device=device,
-                                    weights=weights)
+                                    weights=weights, tokenizer=tokenizer)
     folder = resolve_model_path(model)
     config_file = folder / "config.json"
     if not config_file.exists():
@@ -113,5 +113,5 @@ def load_model(model: str | Path | None = None, dtype=None, device=None, weights
     config = ModelConfig.from_hf(json.loads(config_file.read_text()))
     dtype = resolve_dtype(dtype, config, device)
     lm = load_weights(folder, config, dtype, device) if weights else meta_model(config, dtype)
-    has_tokenizer = any((folder / name).exists() for name in TOKENIZER_FILES)
+    has_tokenizer = tokenizer and any((folder / name).exists() for name in TOKENIZER_FILES)
     return lm, AutoTokenizer.from_pretrained(folder) if has_tokenizer else None

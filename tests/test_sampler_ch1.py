@@ -34,14 +34,16 @@ def test_penalty_fields_have_vllms_defaults():
 def test_load_model_hands_a_file_to_the_loader_registered_for_its_suffix(tmp_path, monkeypatch):
     calls = []
 
-    def fake_loader(path, dtype, device):
-        calls.append((str(path), dtype, device.type))
+    def fake_loader(path, dtype, device, weights, tokenizer):
+        calls.append((str(path), dtype, device.type, weights, tokenizer))
         return "model", "tokenizer"
 
     monkeypatch.setattr(loader, "FILE_LOADERS", {".fake": fake_loader})
     (tmp_path / "m.fake").write_bytes(b"")
     assert loader.load_model(tmp_path / "m.fake", device="cpu") == ("model", "tokenizer")
-    assert calls == [(str(tmp_path / "m.fake"), torch.float32, "cpu")]
+    loader.load_model(tmp_path / "m.fake", device="cpu", weights=False, tokenizer=False)
+    assert calls == [(str(tmp_path / "m.fake"), torch.float32, "cpu", True, True),
+                     (str(tmp_path / "m.fake"), torch.float32, "cpu", False, False)]
 
 
 def test_file_without_a_loader_is_refused_naming_its_suffix(tmp_path, monkeypatch):

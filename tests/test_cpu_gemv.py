@@ -10,10 +10,10 @@
   largest error relative to the largest output within 2^-20, as torch's own fp32 linear is.
 - **Its refusals**: other dtypes, more than four rows, K not a multiple of 32 (bf16) or 8 (fp32), each with an
   error naming it.
-- **`use_gemv`**: by default a float32 model is left as it is and nothing is compiled; in a bf16 model (and with
-  everywhere=True in a float32 one) each plain `nn.Linear` is replaced, in its parent, by a `GemvLinear` holding
-  the same Parameter objects (no copy; a tied output layer stays tied), and `cpu_gemv="auto"` does it exactly
-  where `gemv_selectable()` says so.
+- **`use_gemv`**: a model with no bf16 or fp32 layer is left as it is and nothing is compiled; otherwise each
+  plain `nn.Linear` whose dtype the GEMV is selectable for (with everywhere=True, every bf16 and fp32 one) is
+  replaced, in its parent, by a `GemvLinear` holding the same Parameter objects (no copy; a tied output layer
+  stays tied), and `cpu_gemv="auto"` does it exactly where `gemv_selectable(dtype)` says so, for bf16 and fp32.
 - **An fp32 engine with `cpu_gemv="on"`** gives transformers' greedy tokens on the book's prompts, every product
   of at most 4 rows in the fp32 GEMV.
 - **The engine**: the GEMV sums in another order than torch's matmul, so its bf16 tokens can part from torch's at
@@ -45,14 +45,14 @@ def built(extra_cflags=()):
         pytest.skip(f"the GEMV does not build here: {type(error).__name__}")
 
 
-needs_dpbf16 = pytest.mark.skipif(not gemv_selectable(), reason="this CPU has no AVX-512 BF16: the GEMV is not "
+needs_dpbf16 = pytest.mark.skipif(not gemv_selectable(torch.bfloat16), reason="this CPU has no AVX-512 BF16: the GEMV is not "
                                                                 "selected here (its portable loop is still tested)")
 
 
 @pytest.fixture(params=["avx512bf16", "portable"])
 def gemv(request):
     if request.param == "avx512bf16":
-        if not gemv_selectable():
+        if not gemv_selectable(torch.bfloat16):
             pytest.skip("this CPU has no AVX-512 BF16")
         module = built()
         assert module.has_dpbf16()
@@ -136,18 +136,34 @@ class Tiny(nn.Module):
         self.head.weight = self.embed.weight  # tied, as a small model's output layer
 
 
-def test_use_gemv_leaves_a_float32_model_alone_and_compiles_nothing(monkeypatch):
+def test_use_gemv_leaves_a_float16_model_alone_and_compiles_nothing(monkeypatch):
     def no_build(*args):
-        raise AssertionError("the GEMV was built for a float32 model")
+        raise AssertionError("the GEMV was built for a float16 model")
 
     monkeypatch.setattr(cpu_gemv, "load_cpu_gemv", no_build)
     monkeypatch.setattr(cpu_gemv, "gemv_selectable", no_build)
-    model = Tiny(torch.float32)
+    model = Tiny(torch.float16)
     before = dict(model.named_modules())
-    assert use_gemv(model) == 0
+    assert use_gemv(model) == 0 and use_gemv(model, everywhere=True) == 0
     assert dict(model.named_modules()) == before
-    llm = LLM()  # cpu_gemv="auto" by default
-    assert not any(isinstance(m, GemvLinear) for m in llm.engine.model.modules())
+
+
+def test_use_gemv_keeps_torchs_matmul_where_the_dtype_has_no_vector_loop(monkeypatch):
+    built()
+    monkeypatch.setattr(cpu_gemv, "gemv_selectable", lambda dtype: dtype == torch.bfloat16)
+    assert use_gemv(Tiny(torch.float32)) == 0
+    assert use_gemv(Tiny(torch.bfloat16)) == 3
+    monkeypatch.setattr(cpu_gemv, "gemv_selectable", lambda dtype: dtype == torch.float32)
+    assert use_gemv(Tiny(torch.float32)) == 4 and use_gemv(Tiny(torch.bfloat16)) == 0
+
+
+def test_gemv_selectable_is_false_where_the_gemv_does_not_build(monkeypatch):
+    def no_compiler(*args):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(cpu_gemv, "load_cpu_gemv", no_compiler)
+    assert not gemv_selectable(torch.float32) and not gemv_selectable(torch.bfloat16)
+    assert use_gemv(Tiny(torch.float32)) == 0
 
 
 def test_everywhere_puts_fp32_layers_in_the_fp32_gemv():
@@ -177,12 +193,16 @@ def test_use_gemv_puts_gemv_layers_in_place_holding_the_same_parameters():
     assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
 
 
-def test_auto_takes_the_gemv_exactly_where_it_is_selectable():
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_auto_takes_the_gemv_exactly_where_it_is_selectable(dtype):
     built()
-    llm = LLM(dtype="bfloat16")
+    llm = LLM(dtype=dtype)
     gemv_layers = sum(isinstance(m, GemvLinear) for m in llm.engine.model.modules())
     plain = sum(type(m) is nn.Linear for m in llm.engine.model.modules())
-    assert (gemv_layers > 0 and plain == 0) if gemv_selectable() else (gemv_layers == 0 and plain > 0)
+    selectable = gemv_selectable(getattr(torch, dtype))
+    assert (gemv_layers > 0 and plain == 0) if selectable else (gemv_layers == 0 and plain > 0)
+    off = LLM(dtype=dtype, cpu_gemv="off")
+    assert not any(isinstance(m, GemvLinear) for m in off.engine.model.modules())
     with pytest.raises(ValueError, match="cpu_gemv = 'yes'"):
         LLM(dtype="bfloat16", cpu_gemv="yes")
 

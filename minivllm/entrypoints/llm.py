@@ -182,8 +182,9 @@ if attention_backend_class not in ATTENTION_SELECTORS:  # a notebook cell may ru
 
 
 def use_cpu_gemv(build, setting: str) -> None:
-    """cpu_gemv: "auto" runs a bf16 model's products of few rows in the GEMV where it is selectable (AVX-512 BF16),
-    "on" a bf16 or fp32 model's wherever the GEMV builds (the portable loops too), "off" never."""
+    """cpu_gemv: "auto" runs a model's products of few rows in the GEMV where it is selectable for the model's dtype
+    (bf16: AVX-512 BF16; fp32: AVX2 FMA), "on" a bf16 or fp32 model's wherever the GEMV builds (the portable loops
+    too), "off" never."""
     if setting not in ("auto", "on", "off"):
         raise ValueError(f"cpu_gemv = {setting!r}: expected 'auto', 'on' or 'off'")
     if setting != "off":

@@ -154,12 +154,14 @@ def load_cpu_gemv(extra_cflags: tuple[str, ...] = ()):
                        build_directory=None if folder is None else str(folder))
 
 
-def gemv_selectable() -> bool:
-    """Whether the GEMV replaces torch's bf16 matmul by default here: it built, with AVX-512 BF16's vdpbf16ps loop."""
+def gemv_selectable(dtype: torch.dtype) -> bool:
+    """Whether the GEMV replaces torch's matmul in `dtype` by default here: it built, with that dtype's vector loop
+    (bf16: AVX-512 BF16's vdpbf16ps; fp32: AVX2's fused multiply-add)."""
     try:
-        return bool(load_cpu_gemv().has_dpbf16())
+        gemv = load_cpu_gemv()
     except Exception:  # no compiler, no headers: torch's matmul keeps every product
         return False
+    return bool({torch.bfloat16: gemv.has_dpbf16, torch.float32: gemv.has_fma}[dtype]())
 
 
 GEMV_MAX_ROWS = 4  # the GEMV's templates: 1 to 4 rows; more rows go to torch's matmul
@@ -185,13 +187,14 @@ class GemvLinear(nn.Linear):
 
 
 def use_gemv(model: nn.Module, everywhere: bool = False) -> int:
-    """Puts a GemvLinear sharing its Parameters in the place of plain nn.Linear layers of `model` on a CPU: those
-    with bf16 weights where the GEMV is selectable; with `everywhere`, bf16 and fp32 ones wherever it builds."""
-    lines = GEMV_LINES if everywhere else {torch.bfloat16: GEMV_LINES[torch.bfloat16]}
+    """Puts a GemvLinear sharing its Parameters in the place of plain nn.Linear layers of `model` on a CPU with bf16
+    or fp32 weights: those whose dtype the GEMV is selectable for; with `everywhere`, all of them wherever it builds."""
     eligible = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                 if type(child) is nn.Linear and child.weight.device.type == "cpu"
-                and child.weight.dtype in lines and child.in_features % lines[child.weight.dtype] == 0]
-    if not eligible or not (everywhere or gemv_selectable()):  # no such layer: nothing is compiled
+                and child.weight.dtype in GEMV_LINES and child.in_features % GEMV_LINES[child.weight.dtype] == 0]
+    if eligible and not everywhere:  # no such layer: nothing is compiled
+        eligible = [layer for layer in eligible if gemv_selectable(layer[2].weight.dtype)]
+    if not eligible:
         return 0
     load_cpu_gemv()  # with everywhere=True, a GEMV that does not build raises here, before any layer changes
     for parent, name, child in eligible:

@@ -70,7 +70,26 @@ def test_dtypes_counts_a_decode_steps_bytes_and_flops_and_skips_a_missing_llama_
     assert flops_32 == 32 * (flops_1 + 4 * 30 * 9 * 64 * 100)
     monkeypatch.setenv("PATH", "")
     monkeypatch.delenv("LLAMA_CPP_BIN", raising=False)
+    monkeypatch.setattr(bench_dtypes, "LLAMA_CPP_BUILT", Path("/nonexistent/.llama.cpp/bin"))
     assert bench_dtypes.llama_cpp_timers(Path("none.gguf"), "unused", 2) == {}  # no binaries: llama.cpp is skipped
+
+
+def test_llama_cpp_tools_come_from_llama_cpp_bin_then_make_llama_cpps_build_then_path(monkeypatch, tmp_path):
+    from minivllm.tools import bench_dtypes
+
+    named, built, on_path = (tmp_path / folder for folder in ("named", "built", "path"))
+    for folder in (named, built, on_path):
+        folder.mkdir()
+        (folder / "llama-bench").touch()
+    monkeypatch.setenv("PATH", str(on_path))
+    monkeypatch.setattr(bench_dtypes, "LLAMA_CPP_BUILT", built)
+    monkeypatch.setenv("LLAMA_CPP_BIN", str(named))
+    assert bench_dtypes.llama_cpp_tool("llama-bench") == str(named / "llama-bench")
+    monkeypatch.delenv("LLAMA_CPP_BIN")
+    assert bench_dtypes.llama_cpp_tool("llama-bench") == str(built / "llama-bench")
+    monkeypatch.setattr(bench_dtypes, "LLAMA_CPP_BUILT", tmp_path / "missing")
+    (on_path / "llama-bench").chmod(0o755)
+    assert bench_dtypes.llama_cpp_tool("llama-bench") == str(on_path / "llama-bench")
 
 
 def test_the_dtypes_matmul_rate_is_measured_on_the_models_own_products():

@@ -14,8 +14,8 @@ Two fractions say how near the limits a row is:
 - batch 32 against the matmul rate: the step's FLOPs (2 per weight per token, plus attention) / step time, over
   the rate torch's linear reaches here in that dtype on the model's MLP products at that batch (`matmul_rate`).
 
-llama.cpp is a peer when its binaries are found (`llama-bench`, `llama-batched-bench`, `llama-quantize` on PATH or
-in $LLAMA_CPP_BIN): the same model as F32, F16 and its Q4_1 file, one stream at the same context depth and 32
+llama.cpp is a peer when its binaries are found (`llama-bench`, `llama-batched-bench`, `llama-quantize` in
+$LLAMA_CPP_BIN, in .llama.cpp/bin where `make llama-cpp` builds them, or on PATH): the same model as F32, F16 and its Q4_1 file, one stream at the same context depth and 32
 parallel sequences, the same thread count. Never needed by the tests. Plain module: a benchmark, not engine code.
 """
 
@@ -128,10 +128,15 @@ class LlamaCppTimer:
         return next(json.loads(line) for line in out.splitlines() if line.startswith("{"))["speed_tg"]
 
 
+LLAMA_CPP_BUILT = Path(__file__).resolve().parents[2] / ".llama.cpp" / "bin"  # where `make llama-cpp` builds them
+
+
 def llama_cpp_tool(name: str) -> str | None:
-    folder = os.environ.get("LLAMA_CPP_BIN")
-    path = Path(folder) / name if folder else None
-    return str(path) if path and path.exists() else shutil.which(name)
+    """A llama.cpp tool from $LLAMA_CPP_BIN, else `make llama-cpp`'s build, else PATH."""
+    for folder in (os.environ.get("LLAMA_CPP_BIN"), LLAMA_CPP_BUILT):
+        if folder and (Path(folder) / name).exists():
+            return str(Path(folder) / name)
+    return shutil.which(name)
 
 
 def llama_cpp_timers(gguf: Path, folder: str, threads: int) -> dict:
@@ -202,7 +207,7 @@ def dtypes(args) -> dict:
                          "all": values})
     if not any(engine == "llama.cpp" for engine, _, _ in results):
         rows.append({"engine": "llama.cpp", "skipped": "llama-bench, llama-batched-bench or llama-quantize not "
-                                                       "found (PATH or $LLAMA_CPP_BIN)"})
+                                                       "found ($LLAMA_CPP_BIN, .llama.cpp/bin: make llama-cpp, PATH)"})
     by = {(r["engine"], r.get("dtype"), r.get("batch")): r for r in rows}
     ratios = {f"bfloat16 / float32, batch {b}": by["minivllm", "bfloat16", b]["decode_tokens_per_s"]
               / by["minivllm", "float32", b]["decode_tokens_per_s"] for b in BATCHES}

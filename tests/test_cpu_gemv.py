@@ -5,7 +5,8 @@
   1,536), for 1 to 4 activation rows: the GEMV's largest error, relative to the largest output, is at most 1.5
   times the one `torch.nn.functional.linear` makes in bf16 on the same inputs (both sum in fp32 and round once
   to bf16; they differ in the order of the additions). Checked for the AVX-512 BF16 loop where this CPU has it,
-  and for the portable loop everywhere (built with -mno-avx512bf16).
+  for AVX2's FMA loop on widened bf16 where it has AVX2 FMA (built with -mno-avx512bf16), and for the portable
+  loop everywhere (built with -mno-avx512bf16 -mno-fma).
 - **fp32**: the FMA loop where this CPU has AVX2 FMA, and the portable loop everywhere (built with -mno-fma): the
   largest error relative to the largest output within 2^-20, as torch's own fp32 linear is.
 - **Its refusals**: other dtypes, more than four rows, K not a multiple of 32 (bf16) or 8 (fp32), each with an
@@ -45,17 +46,28 @@ def built(extra_cflags=()):
         pytest.skip(f"the GEMV does not build here: {type(error).__name__}")
 
 
-needs_dpbf16 = pytest.mark.skipif(not gemv_selectable(torch.bfloat16), reason="this CPU has no AVX-512 BF16: the GEMV is not "
-                                                                "selected here (its portable loop is still tested)")
+def has_dpbf16() -> bool:
+    try:
+        return bool(load_cpu_gemv().has_dpbf16())
+    except Exception:  # noqa: BLE001 (no compiler: the GEMV's tests skip one by one)
+        return False
 
 
-@pytest.fixture(params=["avx512bf16", "portable"])
+needs_dpbf16 = pytest.mark.skipif(not has_dpbf16(), reason="this CPU has no AVX-512 BF16 (its FMA and portable "
+                                                           "loops are still tested)")
+
+
+@pytest.fixture(params=["avx512bf16", "fma", "portable"])
 def gemv(request):
     if request.param == "avx512bf16":
-        if not gemv_selectable(torch.bfloat16):
-            pytest.skip("this CPU has no AVX-512 BF16")
         module = built()
-        assert module.has_dpbf16()
+        if not module.has_dpbf16():
+            pytest.skip("this CPU has no AVX-512 BF16")
+    elif request.param == "fma":  # the AVX2 loop on widened bf16, which bf16 takes without AVX-512 BF16
+        module = built(("-mno-avx512bf16",))
+        if not module.has_fma():
+            pytest.skip("this CPU has no AVX2 FMA")
+        assert not module.has_dpbf16()
     else:
         module = built(PORTABLE)
         assert not module.has_dpbf16() and not module.has_fma()

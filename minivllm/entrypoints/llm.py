@@ -183,7 +183,7 @@ if attention_backend_class not in ATTENTION_SELECTORS:  # a notebook cell may ru
 
 def use_cpu_gemv(build, setting: str) -> None:
     """cpu_gemv: "auto" runs a model's products of few rows in the GEMV where it is selectable for the model's dtype
-    (bf16: AVX-512 BF16; fp32: AVX2 FMA), "on" a bf16 or fp32 model's wherever the GEMV builds (the portable loops
+    (AVX2 FMA, or AVX-512 BF16 for bf16), "on" a bf16 or fp32 model's wherever the GEMV builds (the portable loops
     too), "off" never."""
     if setting not in ("auto", "on", "off"):
         raise ValueError(f"cpu_gemv = {setting!r}: expected 'auto', 'on' or 'off'")

@@ -19,6 +19,9 @@ GEMV_ROWS = r"""
 
 // out[m, n] = x[m, :] . w[n, :] for rows n in [begin, end) and M rows of x. The vdpbf16ps loop reads each
 // weight row once for all M rows; the portable loop (below it) walks a weight row once per row of x.
+template <int M, typename T>  // AVX2's loop, written with the fp32 product below: bf16 takes it without AVX-512 BF16
+int64_t fma_rows(const T* X, const T* W, T* O, int64_t K, int64_t N, int64_t begin, int64_t end);
+
 template <int M>
 void gemv_rows(const at::BFloat16* X, const at::BFloat16* W, at::BFloat16* O, int64_t K, int64_t N,
                int64_t begin, int64_t end) {
@@ -37,6 +40,8 @@ void gemv_rows(const at::BFloat16* X, const at::BFloat16* W, at::BFloat16* O, in
     for (int r = 0; r < 4; ++r)  // the 16 partial sums of each output, added, rounded to bf16 once
       for (int m = 0; m < M; ++m) O[m * N + begin + r] = at::BFloat16(_mm512_reduce_add_ps(acc[r][m]));
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  begin = fma_rows<M>(X, W, O, K, N, begin, end);
 #endif
   for (int64_t n = begin; n < end; ++n)  // the portable loop (and the last rows): widen, multiply, sum in fp32
     for (int m = 0; m < M; ++m) {
@@ -49,32 +54,54 @@ void gemv_rows(const at::BFloat16* X, const at::BFloat16* W, at::BFloat16* O, in
 """
 
 
-GEMV_ROWS_F32 = r"""
-// The same product for fp32 weights, with AVX2's fused multiply-add (vfmadd231ps): eight floats of a weight row
-// times eight of an activation row, added into eight fp32 sums, one instruction.
-template <int M>
-void gemv_rows(const float* X, const float* W, float* O, int64_t K, int64_t N, int64_t begin, int64_t end) {
+GEMV_FMA = r"""
+// The same product with AVX2's fused multiply-add (vfmadd231ps): eight floats of a weight row times eight of an
+// activation row, added into eight fp32 sums, one instruction. A bf16 row is loaded as eight floats too: each
+// bf16 is the top half of a float32, so widening it is a shift. Returns where the rows it left begin.
 #if defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
+}
+
+template <int M, typename T>
+int64_t fma_rows(const T* X, const T* W, T* O, int64_t K, int64_t N, int64_t begin, int64_t end) {
   for (; begin + 4 <= end; begin += 4) {  // four weight rows at once, each line of them serving all M rows
     __m256 acc[4][M];
     for (int r = 0; r < 4; ++r) for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k += 8) {
       __m256 xv[M];
-      for (int m = 0; m < M; ++m) xv[m] = _mm256_loadu_ps(X + m * K + k);
+      for (int m = 0; m < M; ++m) xv[m] = load8(X + m * K + k);
       for (int r = 0; r < 4; ++r) {
-        const __m256 wv = _mm256_loadu_ps(W + (begin + r) * K + k);
+        const __m256 wv = load8(W + (begin + r) * K + k);
         for (int m = 0; m < M; ++m) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]);
       }
     }
-    for (int r = 0; r < 4; ++r)  // the eight partial sums of each output, added
+    for (int r = 0; r < 4; ++r)  // the eight partial sums of each output, added (and rounded once, for bf16)
       for (int m = 0; m < M; ++m) {
         const __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc[r][m]), _mm256_extractf128_ps(acc[r][m], 1));
         const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
-        O[m * N + begin + r] = _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+        O[m * N + begin + r] = T(_mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair))));
       }
   }
+  return begin;
+}
+bool has_fma() { return true; }  // whether this build has the FMA loop (compiled for this CPU: -march=native)
+#else
+bool has_fma() { return false; }
 #endif
-  for (int64_t n = begin; n < end; ++n)  // the portable loop (and the last rows)
+"""
+
+
+GEMV_ROWS_F32 = r"""
+// fp32's gemv_rows: the FMA loop where this build has it, then the portable loop (and the last rows).
+template <int M>
+void gemv_rows(const float* X, const float* W, float* O, int64_t K, int64_t N, int64_t begin, int64_t end) {
+#if defined(__AVX2__) && defined(__FMA__)
+  begin = fma_rows<M>(X, W, O, K, N, begin, end);
+#endif
+  for (int64_t n = begin; n < end; ++n)
     for (int m = 0; m < M; ++m) {
       float dot = 0.f;
       #pragma omp simd reduction(+:dot)
@@ -82,12 +109,6 @@ void gemv_rows(const float* X, const float* W, float* O, int64_t K, int64_t N, i
       O[m * N + n] = dot;
     }
 }
-
-#if defined(__AVX2__) && defined(__FMA__)
-bool has_fma() { return true; }  // whether this build has the FMA loop (compiled for this CPU: -march=native)
-#else
-bool has_fma() { return false; }
-#endif
 """
 
 
@@ -148,20 +169,20 @@ def load_cpu_gemv(extra_cflags: tuple[str, ...] = ()):
     if folder is not None:
         folder = Path(folder).with_name(name)
         folder.mkdir(exist_ok=True)
-    return load_inline(name, cpp_sources=GEMV_ROWS + GEMV_ROWS_F32 + GEMV_CALL,
+    return load_inline(name, cpp_sources=GEMV_ROWS + GEMV_FMA + GEMV_ROWS_F32 + GEMV_CALL,
                        functions=["gemv_bf16", "gemv_f32", "has_dpbf16", "has_fma"],
                        extra_cflags=["-O3", "-march=native", "-fopenmp", *extra_cflags], extra_ldflags=["-fopenmp"],
                        build_directory=None if folder is None else str(folder))
 
 
 def gemv_selectable(dtype: torch.dtype) -> bool:
-    """Whether the GEMV replaces torch's matmul in `dtype` by default here: it built, with that dtype's vector loop
-    (bf16: AVX-512 BF16's vdpbf16ps; fp32: AVX2's fused multiply-add)."""
+    """Whether the GEMV replaces torch's matmul in `dtype` by default here: it built with a vector loop for it
+    (bf16: AVX-512 BF16's vdpbf16ps, or AVX2's fused multiply-add on widened bf16; fp32: the same FMA loop)."""
     try:
         gemv = load_cpu_gemv()
     except Exception:  # no compiler, no headers: torch's matmul keeps every product
         return False
-    return bool({torch.bfloat16: gemv.has_dpbf16, torch.float32: gemv.has_fma}[dtype]())
+    return bool(gemv.has_fma() or (dtype == torch.bfloat16 and gemv.has_dpbf16()))
 
 
 GEMV_MAX_ROWS = 4  # the GEMV's templates: 1 to 4 rows; more rows go to torch's matmul

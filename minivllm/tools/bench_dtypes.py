@@ -4,7 +4,7 @@ The model is the appendix's real SmolLM2-135M-Instruct (its Q4_1 GGUF file, dequ
 For each dtype and batch size (1 and 32 requests of a 199-token prompt, 128 greedy tokens each) the engine's
 decode steps are timed (wall time, torch's threads); configurations alternate round after round and each keeps
 its min and median. The engine runs as `LLM(dtype=...)` builds it: chapter 8b's GEMV takes the products of few
-rows, in bfloat16 where this CPU has AVX-512 BF16 and in float32 where it has AVX2 with FMA (each row counts its
+rows where this CPU has AVX2 with FMA (or, in bfloat16, AVX-512 BF16; each row counts its
 `gemv_linear_layers`); one more row, "float32 torch matmul" at batch 1, is float32 with `cpu_gemv="off"`: every
 product in torch's linear, the engine before the GEMV.
 Two fractions say how near the limits a row is:

@@ -56,10 +56,14 @@ if ! "$VENV/bin/python" -c "from minivllm.kernels.cpu_attention import load_cpu_
   echo "warning: the CPU attention kernel did not build (a C++ compiler and Python's headers are needed);" >&2
   echo "         the engine falls back to chapter 5's reference backend on a CPU" >&2
 fi
-# chapter 8b's bf16 GEMV, compiled once here beside it ($VENV/torch_extensions/minivllm_cpu_gemv)
-echo "building the bf16 GEMV into $VENV/torch_extensions"
+# chapter 8b's GEMV and C++ norm and rotation, compiled once here beside it ($VENV/torch_extensions/minivllm_cpu_*)
+echo "building the GEMV into $VENV/torch_extensions"
 if ! "$VENV/bin/python" -c "from minivllm.kernels.cpu_gemv import load_cpu_gemv; load_cpu_gemv()"; then
-  echo "warning: the bf16 GEMV did not build (a C++ compiler and Python's headers are needed);" >&2
-  echo "         bf16 models keep oneDNN's products for every linear layer" >&2
+  echo "warning: the GEMV did not build (a C++ compiler and Python's headers are needed);" >&2
+  echo "         every linear layer keeps torch's products" >&2
+fi
+echo "building the C++ norm and rotation into $VENV/torch_extensions"
+if ! "$VENV/bin/python" -c "from minivllm.kernels.cpu_ops import load_cpu_ops; load_cpu_ops()"; then
+  echo "warning: the C++ norm and rotation did not build; the model keeps chapter 1's modules" >&2
 fi
 touch "$STAMP"

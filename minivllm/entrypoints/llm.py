@@ -16,6 +16,7 @@ from minivllm.distributed.kv_events import publishing_kv_events
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.entrypoints.chat import chat_prompts
 from minivllm.kernels.cpu_gemv import use_gemv
+from minivllm.kernels.cpu_ops import cpu_ops_available, use_cpu_ops
 from minivllm.kv_offload.manager import OffloadingLLMEngine, OffloadingSpecDecodeEngine
 from minivllm.model.loader import DEFAULT_MODEL, load_model
 from minivllm.outputs import RequestOutput
@@ -192,6 +193,18 @@ def use_cpu_gemv(build, setting: str) -> None:
 
 
 LLM_OPTIONS["cpu_gemv"] = EngineOption("auto", use_cpu_gemv)
+
+
+def cpu_ops_option(build, setting: str) -> None:
+    """cpu_ops: "auto" runs a CPU model's norms and rotations as chapter 8b's C++ operations where they build,
+    "off" keeps chapter 1's modules."""
+    if setting not in ("auto", "off"):
+        raise ValueError(f"cpu_ops = {setting!r}: expected 'auto' or 'off'")
+    if setting == "auto":
+        build.after_load.append(lambda model: cpu_ops_available() and use_cpu_ops(model))
+
+
+LLM_OPTIONS["cpu_ops"] = EngineOption("auto", cpu_ops_option)
 
 
 def use_speculative_decoding(build: EngineBuild, speculative_config: dict | None) -> None:

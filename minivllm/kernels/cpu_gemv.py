@@ -155,24 +155,29 @@ bool has_dpbf16() {  // whether this build has the AVX-512 BF16 loop (compiled f
 """
 
 
-@functools.cache
-def load_cpu_gemv(extra_cflags: tuple[str, ...] = ()):
-    """The compiled GEMV module (`gemv_bf16`, `gemv_f32`, `has_dpbf16`, `has_fma`), built once per install beside
-    the attention kernel; `extra_cflags` builds a variant elsewhere (the tests build the portable loops with
-    -mno-avx512bf16 -mno-fma)."""
+def build_extension(name: str, sources: str, functions: list[str], extra_cflags: tuple[str, ...] = ()):
+    """A C++ extension compiled for this CPU (-march=native) once per install, in its own folder beside the
+    attention kernel's; later calls load what was built."""
     from torch.utils.cpp_extension import load_inline
 
     if shutil.which("ninja") is None:  # PyTorch builds with ninja; pip installs one beside this Python
         os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-    name = "minivllm_cpu_gemv" + "".join(f.replace("-", "_").replace("=", "_") for f in extra_cflags)
     folder = kernel_build_directory()
     if folder is not None:
         folder = Path(folder).with_name(name)
         folder.mkdir(exist_ok=True)
-    return load_inline(name, cpp_sources=GEMV_ROWS + GEMV_FMA + GEMV_ROWS_F32 + GEMV_CALL,
-                       functions=["gemv_bf16", "gemv_f32", "has_dpbf16", "has_fma"],
+    return load_inline(name, cpp_sources=sources, functions=functions,
                        extra_cflags=["-O3", "-march=native", "-fopenmp", *extra_cflags], extra_ldflags=["-fopenmp"],
                        build_directory=None if folder is None else str(folder))
+
+
+@functools.cache
+def load_cpu_gemv(extra_cflags: tuple[str, ...] = ()):
+    """The compiled GEMV module (`gemv_bf16`, `gemv_f32`, `has_dpbf16`, `has_fma`); `extra_cflags` builds a variant
+    under another name (the tests build the portable loops with -mno-avx512bf16 -mno-fma)."""
+    name = "minivllm_cpu_gemv" + "".join(f.replace("-", "_").replace("=", "_") for f in extra_cflags)
+    return build_extension(name, GEMV_ROWS + GEMV_FMA + GEMV_ROWS_F32 + GEMV_CALL,
+                           ["gemv_bf16", "gemv_f32", "has_dpbf16", "has_fma"], extra_cflags)
 
 
 def gemv_selectable(dtype: torch.dtype) -> bool:

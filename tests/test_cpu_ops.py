@@ -146,5 +146,8 @@ def test_the_default_engine_swaps_and_a_bad_setting_is_refused(monkeypatch):
     assert not any(type(m) in (RMSNorm, RotaryEmbedding) for m in modules)
     with pytest.raises(ValueError, match="cpu_ops = 'on'"):
         LLM(cpu_ops="on")
-    monkeypatch.setattr(entrypoint, "cpu_ops_available", lambda: False)  # no compiler: chapter 1's modules stay
+    def no_compiler():
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(entrypoint, "load_cpu_ops", no_compiler)  # no compiler: chapter 1's modules stay
     assert not any(isinstance(m, (CPURMSNorm, CPURotaryEmbedding)) for m in LLM().engine.model.modules())

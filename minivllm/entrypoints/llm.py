@@ -15,8 +15,9 @@ from minivllm.distributed.engine import TensorParallelEngine, tensor_parallel
 from minivllm.distributed.kv_events import publishing_kv_events
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.entrypoints.chat import chat_prompts
+from minivllm.kernels.cpu_attention import builds
 from minivllm.kernels.cpu_gemv import use_gemv
-from minivllm.kernels.cpu_ops import cpu_ops_available, use_cpu_ops
+from minivllm.kernels.cpu_ops import load_cpu_ops, use_cpu_ops
 from minivllm.kv_offload.manager import OffloadingLLMEngine, OffloadingSpecDecodeEngine
 from minivllm.model.loader import DEFAULT_MODEL, load_model
 from minivllm.outputs import RequestOutput
@@ -201,7 +202,7 @@ def cpu_ops_option(build, setting: str) -> None:
     if setting not in ("auto", "off"):
         raise ValueError(f"cpu_ops = {setting!r}: expected 'auto' or 'off'")
     if setting == "auto":
-        build.after_load.append(lambda model: cpu_ops_available() and use_cpu_ops(model))
+        build.after_load.append(lambda model: builds(load_cpu_ops) and use_cpu_ops(model))
 
 
 LLM_OPTIONS["cpu_ops"] = EngineOption("auto", cpu_ops_option)

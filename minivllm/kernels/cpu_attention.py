@@ -119,29 +119,44 @@ def kernel_build_directory() -> str | None:
     return str(folder) if os.access(folder, os.W_OK) else None
 
 
-@functools.cache
-def load_cpu_attention():
-    """The compiled kernel module (its `paged_decode`): compiled the first time, then loaded from this install's
-    build folder."""
+def build_extension(name: str, sources: str, functions: list[str], extra_cflags: tuple[str, ...] = ()):
+    """A C++ extension compiled for this CPU (-march=native) the first time, in its own folder of this install,
+    then loaded from there."""
     from torch.utils.cpp_extension import load_inline
 
     if shutil.which("ninja") is None:  # PyTorch builds with ninja; pip installs one beside this Python
         os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-    return load_inline("minivllm_cpu_attention", cpp_sources=DECODE_SETUP + DECODE_SCORES + DECODE_VALUES,
-                       functions=["paged_decode"], extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
-                       extra_ldflags=["-fopenmp"], build_directory=kernel_build_directory())
+    folder = kernel_build_directory()
+    if folder is not None:
+        folder = Path(folder).with_name(name)
+        folder.mkdir(exist_ok=True)
+    return load_inline(name, cpp_sources=sources, functions=functions,
+                       extra_cflags=["-O3", "-march=native", "-fopenmp", *extra_cflags], extra_ldflags=["-fopenmp"],
+                       build_directory=None if folder is None else str(folder))
+
+
+@functools.cache
+def load_cpu_attention():
+    """The compiled kernel module (its `paged_decode`)."""
+    return build_extension("minivllm_cpu_attention", DECODE_SETUP + DECODE_SCORES + DECODE_VALUES,
+                           ["paged_decode"], ("-ffast-math",))
 
 
 NO_CPU_KERNEL = ("attention backend 'cpu' needs its C++ kernel, which did not build: a C++ compiler (g++) and "
                  "Python's headers are required (make install builds it)")
 
 
-def cpu_attention_available() -> bool:
+def builds(load) -> bool:
+    """Whether a kernel's `load` builds (or loads) here: without a compiler or Python's headers it does not."""
     try:
-        load_cpu_attention()
-    except Exception:  # no compiler, no headers: the engine falls back to the reference backend
+        load()
+    except Exception:  # no compiler, no headers
         return False
     return True
+
+
+def cpu_attention_available() -> bool:  # without it, the engine falls back to the reference backend
+    return builds(load_cpu_attention)
 
 
 def paged_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens):

@@ -5,7 +5,7 @@ import functools
 import torch
 from torch import nn
 
-from minivllm.kernels.cpu_gemv import build_extension
+from minivllm.kernels.cpu_attention import build_extension
 from minivllm.model.layers import RMSNorm, RotaryEmbedding
 
 
@@ -130,12 +130,3 @@ def use_cpu_ops(model: nn.Module) -> int:
         swapped.__dict__ = dict(child.__dict__)  # the same Parameters, tables and settings: nothing copied
         setattr(parent, name, swapped)
     return len(eligible)
-
-
-def cpu_ops_available() -> bool:
-    """Whether the operations build here (a compiler and PyTorch's headers): cpu_ops="auto" uses them only then."""
-    try:
-        load_cpu_ops()
-    except Exception:  # no compiler, no headers: chapter 1's modules keep every norm and rotation
-        return False
-    return True

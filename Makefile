@@ -37,8 +37,8 @@ notebooks: install
 ## speculative decoding (chapter 9), the server under Poisson load (chapter 10) and the engine's non-model time per
 ## decode step at 100 and 4,000 tokens of context (batch 1 and 32), and float32 against bfloat16 decode on SmolLM2-135M
 ## at batch 1 and 32 with the fractions of measured memory bandwidth and matmul rate (llama.cpp beside them when
-## its binaries are in .llama.cpp/bin (make llama-cpp), on PATH or in $$LLAMA_CPP_BIN) and chapter 13's second KV tier on a workload 4x the pool
-## (hit rate, TTFT p50/p90, the cost of copy-outs); JSON in bench/results
+## its binaries are in $$LLAMA_CPP_BIN, in .llama.cpp/build/bin (make llama-cpp) or on PATH) and chapter 13's second
+## KV tier on a workload 4x the pool (hit rate, TTFT p50/p90, the cost of copy-outs); JSON in bench/results
 bench: install
 	$(PY) -m minivllm.tools.bench compare --workload all --out bench/results
 	$(PY) -m minivllm.tools.bench spec --num-prompts 16 --output-len 256 --out bench/results
@@ -48,7 +48,7 @@ bench: install
 	$(PY) -m minivllm.tools.bench_offload --out bench/results
 
 ## make llama-cpp: llama.cpp's llama-bench, llama-batched-bench and llama-quantize built from source (the sdist
-## of PyPI's llama-cpp-python, cmake, this CPU's instructions) into .llama.cpp/bin, where bench dtypes finds them
+## of PyPI's llama-cpp-python, cmake, this CPU's instructions) into .llama.cpp/build/bin, where bench dtypes finds them
 llama-cpp: install
 	@bash scripts/build_llama_cpp.sh
 

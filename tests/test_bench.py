@@ -70,7 +70,7 @@ def test_dtypes_counts_a_decode_steps_bytes_and_flops_and_skips_a_missing_llama_
     assert flops_32 == 32 * (flops_1 + 4 * 30 * 9 * 64 * 100)
     monkeypatch.setenv("PATH", "")
     monkeypatch.delenv("LLAMA_CPP_BIN", raising=False)
-    monkeypatch.setattr(bench_dtypes, "LLAMA_CPP_BUILT", Path("/nonexistent/.llama.cpp/bin"))
+    monkeypatch.setattr(bench_dtypes, "LLAMA_CPP_BUILT", Path("/nonexistent/.llama.cpp/build/bin"))
     assert bench_dtypes.llama_cpp_timers(Path("none.gguf"), "unused", 2) == {}  # no binaries: llama.cpp is skipped
 
 

@@ -15,8 +15,9 @@ Two fractions say how near the limits a row is:
   the rate torch's linear reaches here in that dtype on the model's MLP products at that batch (`matmul_rate`).
 
 llama.cpp is a peer when its binaries are found (`llama-bench`, `llama-batched-bench`, `llama-quantize` in
-$LLAMA_CPP_BIN, in .llama.cpp/bin where `make llama-cpp` builds them, or on PATH): the same model as F32, F16 and its Q4_1 file, one stream at the same context depth and 32
-parallel sequences, the same thread count. Never needed by the tests. Plain module: a benchmark, not engine code.
+$LLAMA_CPP_BIN, in .llama.cpp/build/bin where `make llama-cpp` builds them, or on PATH): the same model as F32,
+F16 and its Q4_1 file, one stream at the same context depth and 32 parallel sequences, the same thread count.
+Never needed by the tests. Plain module: a benchmark, not engine code.
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ class LlamaCppTimer:
         return next(json.loads(line) for line in out.splitlines() if line.startswith("{"))["speed_tg"]
 
 
-LLAMA_CPP_BUILT = Path(__file__).resolve().parents[2] / ".llama.cpp" / "bin"  # where `make llama-cpp` builds them
+LLAMA_CPP_BUILT = Path(__file__).resolve().parents[2] / ".llama.cpp" / "build" / "bin"  # where `make llama-cpp` builds them
 
 
 def llama_cpp_tool(name: str) -> str | None:
@@ -207,7 +208,7 @@ def dtypes(args) -> dict:
                          "all": values})
     if not any(engine == "llama.cpp" for engine, _, _ in results):
         rows.append({"engine": "llama.cpp", "skipped": "llama-bench, llama-batched-bench or llama-quantize not "
-                                                       "found ($LLAMA_CPP_BIN, .llama.cpp/bin: make llama-cpp, PATH)"})
+                                                       "found ($LLAMA_CPP_BIN, .llama.cpp/build/bin: make llama-cpp, PATH)"})
     by = {(r["engine"], r.get("dtype"), r.get("batch")): r for r in rows}
     ratios = {f"bfloat16 / float32, batch {b}": by["minivllm", "bfloat16", b]["decode_tokens_per_s"]
               / by["minivllm", "float32", b]["decode_tokens_per_s"] for b in BATCHES}

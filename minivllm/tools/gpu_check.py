@@ -239,7 +239,9 @@ def run_tests(sizes: Sizes) -> dict:
     return {"passed": done.returncode == 0, "summary": summary, "seconds": round(time.time() - start, 1)}
 
 
-def run(sizes: Sizes, device: torch.device) -> dict:
+def run(sizes: Sizes, device: torch.device, save=lambda results: None) -> dict:
+    """Every step in turn; save(results) after each, so a run stopped by a lease's time limit keeps what it
+    measured."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu {platform.machine()}"
     peak_bandwidth, peak_flops = next((spec for key, spec in SPEC_SHEETS.items() if key in name), (None, None))
     heads, kv_heads, head_dim = sizes.heads
@@ -252,6 +254,7 @@ def run(sizes: Sizes, device: torch.device) -> dict:
     }
     print(f"{name}: tests with the kernels compiled")
     results["tests"] = run_tests(sizes)
+    save(results)
     results["copy_bandwidth_gbs"] = copy_bandwidth(sizes.copy_bytes, device) / 1e9
     print(f"  device-to-device copy: {results['copy_bandwidth_gbs']:.0f} GB/s")
 
@@ -261,6 +264,7 @@ def run(sizes: Sizes, device: torch.device) -> dict:
         sizes.decode_tiles, lambda **tile: measure_decode(batch, context, sizes, device, num_splits=1, **tile))
     results["decode_tile"] = decode_tile
     print(f"  best {decode_tile}")
+    save(results)
 
     print("decode bandwidth")
     results["decode"] = []
@@ -273,6 +277,7 @@ def run(sizes: Sizes, device: torch.device) -> dict:
             results["decode"].append(row)
             print(f"  batch {batch:4d} context {context:6d}: triton {row['kernel_gbs']:8.1f} GB/s, "
                   f"sdpa {row['sdpa_gbs'] or float('nan'):8.1f} GB/s")
+            save(results)
 
     batch, context = sizes.big
     print(f"KV block size at batch {batch} x context {context}")
@@ -284,6 +289,7 @@ def run(sizes: Sizes, device: torch.device) -> dict:
     results["splits"] = [{"batch": batch, "context": context, "num_splits": s,
                           "kernel_gbs": measure_decode(batch, context, sizes, device, num_splits=s, **decode_tile)}
                          for batch, context in sizes.split_shapes for s in sizes.splits]
+    save(results)
 
     batch, new = sizes.prefill_shape
     print(f"prefill tile sweep at batch {batch} x {new} tokens")
@@ -299,11 +305,13 @@ def run(sizes: Sizes, device: torch.device) -> dict:
         results["prefill"].append(row)
         print(f"  batch {batch:3d} context {context:6d} new {new:5d}: triton {row['kernel_tflops']:7.1f} TFLOP/s"
               + (f", sdpa {row['sdpa_tflops']:7.1f}" if row["sdpa_tflops"] else ""))
+        save(results)
 
     from minivllm.tools.gpu_model_check import draft_sizing, engine_check, timed
 
     print(f"the engine against transformers, {results['dtype']}")
     results["engine"] = timed(engine_check, sizes, device, "auto" if device.type == "cuda" else "triton")
+    save(results)
     print("chapter 9's draft sizing")
     results["draft_sizing"] = timed(draft_sizing, sizes, device)
     return results
@@ -327,6 +335,14 @@ def results_folder(out: Path | None, smoke: bool) -> Path:
     if os.environ.get("OUT"):
         return Path(os.environ["OUT"]) / "gpu"
     return Path(tempfile.mkdtemp(prefix="gpu-check-smoke-")) if smoke else RESULTS
+
+
+PARTIAL = "partial.json"  # what a run has measured so far; removed once the results are written
+
+
+def save_partial(results: dict, folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / PARTIAL).write_text(json.dumps(results, indent=1) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -354,10 +370,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     started = time.time()
-    results = run(Sizes(args.smoke), device)
+    folder = results_folder(args.out, args.smoke)
+    results = run(Sizes(args.smoke), device, save=lambda partial: save_partial(partial, folder))
     results["seconds"] = round(time.time() - started, 1)
-    for path in write(results, results_folder(args.out, args.smoke)):
+    for path in write(results, folder):
         print(f"wrote {path}")
+    (folder / PARTIAL).unlink(missing_ok=True)
     failed = [step for step in ("engine", "draft_sizing") if "error" in results[step]]
     if not results["tests"]["passed"] or failed:
         print(f"FAILED: {'the tests' if not results['tests']['passed'] else ''} {' '.join(failed)}", file=sys.stderr)

@@ -200,6 +200,15 @@ def test_backend_choice():
     assert triton_available() and INTERPRETED == (DEVICE.type == "cpu")
 
 
+def test_triton_on_a_cpu_device_of_a_cuda_machine_is_refused(monkeypatch):
+    """Where CUDA is, triton compiles for the GPU unless TRITON_INTERPRET=1: CPU tensors would reach a GPU kernel
+    (on an H200, 2026-12-04, the selector handed the backend out and test_backend_choice failed)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        attention_backend_class("triton", torch.device("cpu"))
+
+
 def test_without_triton_the_package_imports_and_falls_back_to_the_reference():
     code = ("import sys; sys.modules['triton'] = None\n"
             "import minivllm.attention.selector as t, torch\n"

@@ -66,4 +66,8 @@ echo "building the C++ norm and rotation into $VENV/torch_extensions"
 if ! "$VENV/bin/python" -c "from minivllm.kernels.cpu_ops import load_cpu_ops; load_cpu_ops()"; then
   echo "warning: the C++ norm and rotation did not build; the model keeps chapter 1's modules" >&2
 fi
+echo "building the int8 weights' product into $VENV/torch_extensions"
+if ! "$VENV/bin/python" -c "from minivllm.kernels.cpu_int8 import load_cpu_int8; load_cpu_int8()"; then
+  echo "warning: the int8 product did not build; LLM(quantization='int8_per_channel_weight_only') will fail" >&2
+fi
 touch "$STAMP"

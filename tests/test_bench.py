@@ -65,6 +65,8 @@ def test_dtypes_counts_a_decode_steps_bytes_and_flops_and_skips_a_missing_llama_
     bytes_1, flops_1 = bench_dtypes.step_costs(smollm2, 1, 0, 4)
     assert 134_000_000 < bytes_1 / 4 < 135_000_000  # SmolLM2-135M: its weights, read once per step
     assert flops_1 == 2 * bytes_1 / 4
+    bytes_int8, _ = bench_dtypes.step_costs(smollm2, 1, 100, 1, 4)
+    assert bytes_int8 == bytes_1 / 4 + 100 * 2 * 30 * 3 * 64 * 4  # int8 weights, fp32 keys and values
     bytes_32, flops_32 = bench_dtypes.step_costs(smollm2, 32, 100, 2)
     assert bytes_32 == bytes_1 / 2 + 32 * 100 * 2 * 30 * 3 * 64 * 2  # bf16: half the weight bytes, plus 32 contexts' KV
     assert flops_32 == 32 * (flops_1 + 4 * 30 * 9 * 64 * 100)

@@ -17,6 +17,7 @@ from minivllm.engine.llm_engine import LLMEngine
 from minivllm.entrypoints.chat import chat_prompts
 from minivllm.kernels.cpu_attention import builds
 from minivllm.kernels.cpu_gemv import use_gemv
+from minivllm.kernels.cpu_int8 import use_int8
 from minivllm.kernels.cpu_ops import load_cpu_ops, use_cpu_ops
 from minivllm.kv_offload.manager import OffloadingLLMEngine, OffloadingSpecDecodeEngine
 from minivllm.model.loader import DEFAULT_MODEL, load_model
@@ -208,6 +209,26 @@ def cpu_ops_option(build, setting: str) -> None:
 LLM_OPTIONS["cpu_ops"] = EngineOption("auto", cpu_ops_option)
 
 
+QUANTIZATIONS = (None, "int8_per_channel_weight_only")
+
+
+def quantization_option(build, setting: str | None) -> None:
+    """quantization: "int8_per_channel_weight_only" stores a CPU fp32 model's linear layers as int8 rows with one
+    scale each, after loading (chapter 8b); None keeps the checkpoint's weights."""
+    if setting not in QUANTIZATIONS:
+        raise ValueError(f"quantization = {setting!r}: expected one of {', '.join(map(repr, QUANTIZATIONS))}")
+    if setting is None:
+        return
+    dtype = next(build.model.parameters()).dtype
+    if build.device.type != "cpu" or dtype != torch.float32:
+        raise ValueError(f"quantization = {setting!r} runs fp32 activations on a CPU; this model is {dtype} on "
+                         f"{build.device}: use dtype='float32' and device='cpu', or no quantization")
+    build.after_load.append(use_int8)
+
+
+LLM_OPTIONS["quantization"] = EngineOption(None, quantization_option)
+
+
 def use_speculative_decoding(build: EngineBuild, speculative_config: dict | None) -> None:
     if speculative_config is not None:
         build.engine_class = SpecDecodeEngine
@@ -220,6 +241,9 @@ LLM_OPTIONS["speculative_config"] = EngineOption(None, use_speculative_decoding)
 def use_tensor_parallelism(build: EngineBuild, tensor_parallel_size: int) -> None:
     """This process becomes rank 0 (scheduler, sampler, its shard); the other ranks are worker processes."""
     check_tensor_parallel_size(tensor_parallel_size, build.model.config, build.device)
+    if tensor_parallel_size > 1 and use_int8 in build.after_load:  # the workers load their shards themselves
+        raise ValueError(f"quantization with tensor_parallel_size = {tensor_parallel_size}: chapter 8b's int8 "
+                         "weights are made in this process only, and the other ranks would keep fp32 weights")
     if tensor_parallel_size > 1:
         model, dtype = build.load_args
         build.load = lambda: TensorParallelEngine.load_shard(model, dtype, build.device, 0, tensor_parallel_size)

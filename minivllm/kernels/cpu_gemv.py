@@ -15,8 +15,8 @@ GEMV_ROWS = r"""
 
 // out[m, n] = x[m, :] . w[n, :] for rows n in [begin, end) and M rows of x. The vdpbf16ps loop reads each
 // weight row once for all M rows; the portable loop (below it) walks a weight row once per row of x.
-template <int M, typename T>  // AVX2's loop, written with the fp32 product below: bf16 takes it without AVX-512 BF16
-int64_t fma_rows(const T* X, const T* W, T* O, int64_t K, int64_t N, int64_t begin, int64_t end);
+template <int M, typename T, typename TW>  // AVX2's loop, written with the fp32 product below (TW: the weights'
+int64_t fma_rows(const T* X, const TW* W, T* O, int64_t K, int64_t N, int64_t begin, int64_t end);  // type)
 
 template <int M>
 void gemv_rows(const at::BFloat16* X, const at::BFloat16* W, at::BFloat16* O, int64_t K, int64_t N,
@@ -50,19 +50,32 @@ void gemv_rows(const at::BFloat16* X, const at::BFloat16* W, at::BFloat16* O, in
 """
 
 
-GEMV_FMA = r"""
-// The same product with AVX2's fused multiply-add (vfmadd231ps): eight floats of a weight row times eight of an
-// activation row, added into eight fp32 sums, one instruction. A bf16 row is loaded as eight floats too: each
-// bf16 is the top half of a float32, so widening it is a shift. Returns where the rows it left begin.
+GEMV_LOADS = r"""
+// Eight numbers of a row as eight floats, for the FMA loop: fp32 as they are; bf16, the top half of a float32,
+// widened by a shift; int8 weights (the chapter's last section) sign-extended, then converted, with a hint to
+// fetch the line 4 KB ahead at each new line (the hardware's prefetcher alone streamed them at half the bytes per
+// second of fp32 weights here: each int8 line feeds four times as many loop steps).
 #if defined(__AVX2__) && defined(__FMA__)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::BFloat16* p) {
   const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
 }
+inline __m256 load8(const int8_t* p) {
+  if ((reinterpret_cast<uintptr_t>(p) & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(p) + 4096, _MM_HINT_T0);
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
+"""
 
-template <int M, typename T>
-int64_t fma_rows(const T* X, const T* W, T* O, int64_t K, int64_t N, int64_t begin, int64_t end) {
+
+GEMV_FMA = r"""
+// The same product with AVX2's fused multiply-add (vfmadd231ps): eight floats of a weight row times eight of an
+// activation row, added into eight fp32 sums, one instruction; rows of any type that load8 widens to floats.
+// Returns where the rows it left begin.
+#if defined(__AVX2__) && defined(__FMA__)
+template <int M, typename T, typename TW>
+int64_t fma_rows(const T* X, const TW* W, T* O, int64_t K, int64_t N, int64_t begin, int64_t end) {
   for (; begin + 4 <= end; begin += 4) {  // four weight rows at once, each line of them serving all M rows
     __m256 acc[4][M];
     for (int r = 0; r < 4; ++r) for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
@@ -156,7 +169,7 @@ def load_cpu_gemv(extra_cflags: tuple[str, ...] = ()):
     """The compiled GEMV module (`gemv_bf16`, `gemv_f32`, `has_dpbf16`, `has_fma`); `extra_cflags` builds a variant
     under another name (the tests build the portable loops with -mno-avx512bf16 -mno-fma)."""
     name = "minivllm_cpu_gemv" + "".join(f.replace("-", "_").replace("=", "_") for f in extra_cflags)
-    return build_extension(name, GEMV_ROWS + GEMV_FMA + GEMV_ROWS_F32 + GEMV_CALL,
+    return build_extension(name, GEMV_ROWS + GEMV_LOADS + GEMV_FMA + GEMV_ROWS_F32 + GEMV_CALL,
                            ["gemv_bf16", "gemv_f32", "has_dpbf16", "has_fma"], extra_cflags)
 
 

@@ -6,7 +6,9 @@ decode steps are timed (wall time, torch's threads); configurations alternate ro
 its min and median. The engine runs as `LLM(dtype=...)` builds it: chapter 8b's GEMV takes the products of few
 rows where this CPU has AVX2 with FMA (or, in bfloat16, AVX-512 BF16; each row counts its
 `gemv_linear_layers`); one more row, "float32 torch matmul" at batch 1, is float32 with `cpu_gemv="off"`: every
-product in torch's linear, the engine before the GEMV.
+product in torch's linear, the engine before the GEMV; and "int8 weights" is float32 with
+`quantization="int8_per_channel_weight_only"` (chapter 8b's last section: int8 rows, fp32 activations), at both
+batch sizes.
 Two fractions say how near the limits a row is:
 
 - batch 1 against memory bandwidth: a decode step reads every weight once and the cached keys and values of its
@@ -34,9 +36,10 @@ from pathlib import Path
 import torch
 
 PROMPT_LEN, OUTPUT_LEN, BATCHES = 199, 128, (1, 32)
-# minivllm's configurations: name -> (dtype, cpu_gemv); "float32 torch matmul" keeps chapter 8b's GEMV out
-CONFIGURATIONS = {"float32": ("float32", "auto"), "bfloat16": ("bfloat16", "auto"),
-                  "float32 torch matmul": ("float32", "off")}
+# minivllm's configurations: name -> LLM's arguments; "float32 torch matmul" keeps chapter 8b's GEMV out (batch 1 only)
+CONFIGURATIONS = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16"),
+                  "float32 torch matmul": dict(dtype="float32", cpu_gemv="off"),
+                  "int8 weights": dict(dtype="float32", quantization="int8_per_channel_weight_only")}
 
 
 def copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
@@ -69,14 +72,15 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def step_costs(config, batch: int, context: int, dtype_bytes: int) -> tuple[float, float]:
+def step_costs(config, batch: int, context: int, weight_bytes: int,
+               kv_bytes: int | None = None) -> tuple[float, float]:
     """(bytes read, FLOPs) of one decode step of `batch` sequences at this context: every weight once, and the
-    keys and values of every sequence's context."""
+    keys and values of every sequence's context (kv_bytes per number: weight_bytes unless given)."""
     c = config
     weights = c.vocab_size * c.hidden_size + c.num_layers * (
         c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads) + 3 * c.hidden_size * c.intermediate_size)
     kv_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim
-    bytes_read = (weights + batch * context * kv_per_token) * dtype_bytes
+    bytes_read = weights * weight_bytes + batch * context * kv_per_token * (kv_bytes or weight_bytes)
     flops = batch * (2 * weights + 4 * c.num_layers * c.num_heads * c.head_dim * context)
     return bytes_read, flops
 
@@ -84,10 +88,10 @@ def step_costs(config, batch: int, context: int, dtype_bytes: int) -> tuple[floa
 class DecodeTimer:
     """One engine, whose decode steps (not the prefill, not the last) are timed by wall clock."""
 
-    def __init__(self, model: str, dtype: str, batch: int, cpu_gemv: str = "auto"):
+    def __init__(self, model: str, batch: int, **llm_args):
         from minivllm import LLM, SamplingParams
 
-        self.llm = LLM(model, dtype=dtype, cpu_gemv=cpu_gemv, enable_prefix_caching=False, max_num_seqs=batch,
+        self.llm = LLM(model, **llm_args, enable_prefix_caching=False, max_num_seqs=batch,
                        max_num_batched_tokens=PROMPT_LEN * batch + batch)
         self.prompts = [{"prompt_token_ids": [100 + i] + list(range(101, 100 + PROMPT_LEN))} for i in range(batch)]
         self.params = SamplingParams(temperature=0, max_tokens=OUTPUT_LEN, ignore_eos=True)
@@ -159,8 +163,8 @@ def measure(model: str, gguf: Path, rounds: int) -> tuple[dict, dict]:
     all): {(engine, dtype, batch): per-round results} and the timers. minivllm's results are seconds per decode
     step, llama.cpp's decode tokens per second (what its tools print)."""
     with tempfile.TemporaryDirectory(prefix="bench-llama-") as folder:
-        timers = {("minivllm", name, batch): DecodeTimer(model, dtype, batch, gemv) for batch in BATCHES
-                  for name, (dtype, gemv) in CONFIGURATIONS.items() if batch == 1 or gemv == "auto"}  # GEMV: 1 to 4 rows
+        timers = {("minivllm", name, batch): DecodeTimer(model, batch, **args) for batch in BATCHES
+                  for name, args in CONFIGURATIONS.items() if batch == 1 or args.get("cpu_gemv") != "off"}
         timers |= llama_cpp_timers(gguf, folder, torch.get_num_threads())
         timers = dict(sorted(timers.items(), key=lambda item: item[0][2]))  # batch 1 first, engines side by side
         for timer in timers.values():
@@ -176,15 +180,18 @@ def measure(model: str, gguf: Path, rounds: int) -> tuple[dict, dict]:
 
 def minivllm_row(name: str, batch: int, seconds: list[float], timer: DecodeTimer, bandwidth: float) -> dict:
     from minivllm.kernels.cpu_gemv import GemvLinear  # cpu_gemv="auto": the GEMV where it is selectable
+    from minivllm.kernels.cpu_int8 import Int8Linear
 
-    dtype, best, median = CONFIGURATIONS[name][0], min(seconds), statistics.median(seconds)
+    dtype, best, median = CONFIGURATIONS[name]["dtype"], min(seconds), statistics.median(seconds)
+    element = 2 if dtype == "bfloat16" else 4
     bytes_read, flops = step_costs(timer.llm.engine.model.config, batch, PROMPT_LEN + OUTPUT_LEN // 2,
-                                   2 if dtype == "bfloat16" else 4)
+                                   1 if "quantization" in CONFIGURATIONS[name] else element, element)
     row = {"engine": "minivllm", "dtype": name, "batch": batch, "step_ms_min": 1000 * best,
            "step_ms_median": 1000 * median, "decode_tokens_per_s": batch / median,
            "decode_tokens_per_s_best": batch / best, "all_step_ms": [1000 * s for s in seconds],
            "attention_backend": timer.llm.engine.model_runner.backend.__name__,
-           "gemv_linear_layers": sum(isinstance(m, GemvLinear) for m in timer.llm.engine.model.modules())}
+           "gemv_linear_layers": sum(isinstance(m, GemvLinear) for m in timer.llm.engine.model.modules()),
+           "int8_linear_layers": sum(isinstance(m, Int8Linear) for m in timer.llm.engine.model.modules())}
     if batch == 1:
         return row | {"bytes_per_step": bytes_read, "memory_bandwidth_gb_s": bandwidth / 1e9,
                       "bandwidth_fraction": bytes_read / median / bandwidth}
@@ -212,6 +219,8 @@ def dtypes(args) -> dict:
     by = {(r["engine"], r.get("dtype"), r.get("batch")): r for r in rows}
     ratios = {f"bfloat16 / float32, batch {b}": by["minivllm", "bfloat16", b]["decode_tokens_per_s"]
               / by["minivllm", "float32", b]["decode_tokens_per_s"] for b in BATCHES}
+    ratios |= {f"int8 weights / float32, batch {b}": by["minivllm", "int8 weights", b]["decode_tokens_per_s"]
+               / by["minivllm", "float32", b]["decode_tokens_per_s"] for b in BATCHES}
     ratios["float32 / float32 torch matmul, batch 1"] = by["minivllm", "float32", 1]["decode_tokens_per_s"] \
         / by["minivllm", "float32 torch matmul", 1]["decode_tokens_per_s"]
     for row in rows:

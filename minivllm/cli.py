@@ -8,9 +8,9 @@
     python -m minivllm explain-cache A.txt B.txt [--block-size 16]   # what B would reuse from A's cache
 
 `serve`, `generate` and `bench` take vLLM's engine arguments, with vLLM's names (see minivllm/engine/arg_utils.py):
---model, --dtype, --seed, --max-model-len, --tensor-parallel-size, --block-size, --kv-cache-memory-bytes,
---[no-]enable-prefix-caching, --max-num-batched-tokens, --max-num-seqs, --[no-]enable-chunked-prefill,
---attention-backend, --speculative-config. Every value is checked before a model is loaded.
+--model, --dtype, --quantization, --seed, --max-model-len, --tensor-parallel-size, --block-size,
+--kv-cache-memory-bytes, --[no-]enable-prefix-caching, --max-num-batched-tokens, --max-num-seqs,
+--[no-]enable-chunked-prefill, --attention-backend, --speculative-config. Every value is checked before a model is loaded.
 """
 
 from __future__ import annotations

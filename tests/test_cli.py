@@ -81,14 +81,15 @@ def test_engine_arguments_map_onto_llm_with_its_defaults():
             "--max-num-seqs", "8", "--max-num-batched-tokens", "2K", "--dtype", "half", "--seed", "7",
             "--attention-backend", "TRITON_ATTN", "--kv-cache-memory-bytes", "64M", "--no-enable-chunked-prefill",
             "--num-gpu-blocks-override", "100", "-sc", '{"method": "ngram", "num_speculative_tokens": 2}',
-            "--kv-offloading-size", "2.5", "--kv-offloading-backend", "native"]
+            "--kv-offloading-size", "2.5", "--kv-offloading-backend", "native", "-q", "int8_per_channel_weight_only"]
     kwargs = EngineArgs.from_cli_args(parser.parse_args(argv)).llm_kwargs()
     assert kwargs == {"model": "m", "tensor_parallel_size": 2, "max_model_len": 1000, "block_size": 32,
                       "enable_prefix_caching": False, "max_num_seqs": 8, "max_num_batched_tokens": 2048,
                       "dtype": "float16", "seed": 7, "attention_backend": "triton",
                       "kv_cache_memory_bytes": 64 * 2**20, "enable_chunked_prefill": False, "num_kv_blocks": 100,
                       "speculative_config": {"method": "ngram", "num_speculative_tokens": 2},
-                      "kv_offloading_size": 2.5, "kv_offloading_backend": "native"}
+                      "kv_offloading_size": 2.5, "kv_offloading_backend": "native",
+                      "quantization": "int8_per_channel_weight_only"}
     assert EngineArgs.from_cli_args(parser.parse_args(["--max-model-len", "auto"])).max_model_len is None
 
 

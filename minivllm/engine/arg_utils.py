@@ -101,6 +101,7 @@ class EngineArgs:
 
     model: str | None = None
     dtype: str = "auto"
+    quantization: str | None = None
     seed: int = 0
     max_model_len: int | None = None
     tensor_parallel_size: int = 1
@@ -124,6 +125,9 @@ class EngineArgs:
                            help=model_help or "checkpoint folder, .gguf file or hub name (default: the embedded tiny model)")
         model.add_argument("--dtype", choices=list(DTYPES), default=d.dtype,
                            help="weights and activations; auto: the checkpoint's on a GPU, float32 on a CPU")
+        model.add_argument("--quantization", "-q", choices=["int8_per_channel_weight_only"], default=d.quantization,
+                           help="int8_per_channel_weight_only: int8 weight rows and fp32 activations, on a CPU "
+                                "(chapter 8b); default: the checkpoint's weights")
         model.add_argument("--seed", type=bounded_int(0, MAX_SEED), default=d.seed,
                            help="the engine's random seed (requests without a seed of their own)")
         model.add_argument("--max-model-len", type=max_model_len, default=d.max_model_len,

@@ -137,8 +137,14 @@ def greedy_runs():
 
 
 def test_bf16_greedy_follows_fp32_transformers_up_to_a_near_tie(greedy_runs, capsys):
+    assert_greedy_follows_fp32_up_to_a_near_tie(greedy_runs, capsys)
+
+
+def assert_greedy_follows_fp32_up_to_a_near_tie(runs, capsys):
+    """runs: for each prompt, (engine tokens, fp32 transformers tokens, fp32 margins, near-tie threshold). Prints
+    each prompt's first divergence; one that is not at a near-tie fails."""
     lines = []
-    for i, (got, want, margins, tie) in enumerate(greedy_runs):
+    for i, (got, want, margins, tie) in enumerate(runs):
         diverged = first_divergence(got, want)  # after it the two continue from different texts
         lines.append(f"prompt {i}: first divergence from fp32 transformers at token "
                      f"{'none' if diverged is None else diverged} of {GREEDY_TOKENS}"

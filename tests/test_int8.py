@@ -30,8 +30,8 @@ from minivllm.kernels.cpu_gemv import GemvLinear
 from minivllm.kernels.cpu_int8 import INT8_LINE, Int8Linear, load_cpu_int8, quantize_int8, use_int8
 from minivllm.model.decoder import CausalLM
 from minivllm.model.loader import DEFAULT_MODEL, load_weights
-from tests.test_bf16 import (BOOK_TEXTS, GREEDY_TOKENS, LOGIT_BOUND, checkpoint_cases, first_divergence,
-                             greedy_with_margins, hf_logits, logits_of)
+from tests.test_bf16 import (BOOK_TEXTS, GREEDY_TOKENS, LOGIT_BOUND, assert_greedy_follows_fp32_up_to_a_near_tie,
+                             checkpoint_cases, greedy_with_margins, hf_logits, logits_of)
 
 pytestmark = pytest.mark.skipif(not builds(load_cpu_int8), reason="the int8 GEMV did not build (make install)")
 INT8 = "int8_per_channel_weight_only"
@@ -169,15 +169,8 @@ def test_int8_greedy_follows_fp32_transformers_up_to_a_near_tie(capsys):
     prompts = [llm.tokenizer(t).input_ids[:64] for t in BOOK_TEXTS]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True), use_tqdm=False)
-    lines = []
-    for i, (prompt, output) in enumerate(zip(prompts, outputs)):
+    runs = []
+    for prompt, output in zip(prompts, outputs):
         want, margins, scale = greedy_with_margins(hf32, prompt, GREEDY_TOKENS)
-        diverged, tie = first_divergence(output.outputs[0].token_ids, want), 2 * LOGIT_BOUND * scale
-        lines.append(f"prompt {i}: first divergence from fp32 transformers at token "
-                     f"{'none' if diverged is None else diverged} of {GREEDY_TOKENS}"
-                     + ("" if diverged is None else f" (fp32's top-two gap there {margins[diverged]:.3f}, "
-                                                     f"near-tie threshold {tie:.3f})"))
-        if diverged is not None:
-            assert margins[diverged] < tie, lines[-1]
-    with capsys.disabled():
-        print("\n" + "\n".join(lines))
+        runs.append((output.outputs[0].token_ids, want, margins, 2 * LOGIT_BOUND * scale))
+    assert_greedy_follows_fp32_up_to_a_near_tie(runs, capsys)

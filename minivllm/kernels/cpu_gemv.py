@@ -104,9 +104,10 @@ bool has_fma() { return false; }
 
 
 GEMV_ROWS_F32 = r"""
-// fp32's gemv_rows: the FMA loop where this build has it, then the portable loop (and the last rows).
-template <int M>
-void gemv_rows(const float* X, const float* W, float* O, int64_t K, int64_t N, int64_t begin, int64_t end) {
+// fp32's gemv_rows: the FMA loop where this build has it, then the portable loop (and the last rows). The weights
+// are fp32, or int8 (the chapter's last section), each widened to a float as it is read.
+template <int M, typename TW>
+void gemv_rows(const float* X, const TW* W, float* O, int64_t K, int64_t N, int64_t begin, int64_t end) {
 #if defined(__AVX2__) && defined(__FMA__)
   begin = fma_rows<M>(X, W, O, K, N, begin, end);
 #endif
@@ -114,7 +115,7 @@ void gemv_rows(const float* X, const float* W, float* O, int64_t K, int64_t N, i
     for (int m = 0; m < M; ++m) {
       float dot = 0.f;
       #pragma omp simd reduction(+:dot)
-      for (int64_t k = 0; k < K; ++k) dot += X[m * K + k] * W[n * K + k];
+      for (int64_t k = 0; k < K; ++k) dot += X[m * K + k] * static_cast<float>(W[n * K + k]);
       O[m * N + n] = dot;
     }
 }

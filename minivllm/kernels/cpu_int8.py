@@ -6,25 +6,7 @@ import torch
 from torch import nn
 
 from minivllm.kernels.cpu_attention import build_extension
-from minivllm.kernels.cpu_gemv import GEMV_FMA, GEMV_LOADS
-
-
-GEMV_INT8_ROWS = r"""
-// fp32 activations, int8 weights: the FMA loop through load8(const int8_t*), then the portable loop
-template <int M>
-void gemv_rows(const float* X, const int8_t* W, float* O, int64_t K, int64_t N, int64_t begin, int64_t end) {
-#if defined(__AVX2__) && defined(__FMA__)
-  begin = fma_rows<M>(X, W, O, K, N, begin, end);
-#endif
-  for (int64_t n = begin; n < end; ++n)
-    for (int m = 0; m < M; ++m) {
-      float dot = 0.f;
-      #pragma omp simd reduction(+:dot)
-      for (int64_t k = 0; k < K; ++k) dot += X[m * K + k] * static_cast<float>(W[n * K + k]);
-      O[m * N + n] = dot;
-    }
-}
-"""
+from minivllm.kernels.cpu_gemv import GEMV_FMA, GEMV_LOADS, GEMV_ROWS_F32
 
 
 GEMV_INT8 = r"""
@@ -71,7 +53,7 @@ def load_cpu_int8(extra_cflags: tuple[str, ...] = ()):
     """The compiled module (`gemv_int8`); `extra_cflags` builds a variant (the tests: the portable loop)."""
     name = "minivllm_cpu_int8" + "".join(f.replace("-", "_").replace("=", "_") for f in extra_cflags)
     headers = "#include <torch/extension.h>\n#include <ATen/Parallel.h>\n#include <immintrin.h>\n"
-    return build_extension(name, headers + GEMV_LOADS + GEMV_FMA + GEMV_INT8_ROWS + GEMV_INT8, ["gemv_int8"],
+    return build_extension(name, headers + GEMV_LOADS + GEMV_FMA + GEMV_ROWS_F32 + GEMV_INT8, ["gemv_int8"],
                            extra_cflags)
 
 

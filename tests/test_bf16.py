@@ -123,8 +123,11 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 @pytest.fixture(scope="module")
 def greedy_runs():
-    """For each book prompt: bf16 engine tokens, fp32 transformers tokens, fp32 margins, the tie threshold."""
-    llm = LLM(dtype="bfloat16", max_num_batched_tokens=16)  # prompts arrive in chunks: every path of the backend
+    return book_greedy_runs(LLM(dtype="bfloat16", max_num_batched_tokens=16))  # prompts in chunks: every path
+
+
+def book_greedy_runs(llm):
+    """For each book prompt: `llm`'s greedy tokens, fp32 transformers tokens, fp32 margins, the tie threshold."""
     hf32 = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
     prompts = [llm.tokenizer(t).input_ids[:64] for t in BOOK_TEXTS]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],

@@ -29,9 +29,9 @@ from minivllm.kernels.cpu_attention import builds
 from minivllm.kernels.cpu_gemv import GemvLinear
 from minivllm.kernels.cpu_int8 import INT8_LINE, Int8Linear, load_cpu_int8, quantize_int8, use_int8
 from minivllm.model.decoder import CausalLM
-from minivllm.model.loader import DEFAULT_MODEL, load_weights
-from tests.test_bf16 import (BOOK_TEXTS, GREEDY_TOKENS, LOGIT_BOUND, assert_greedy_follows_fp32_up_to_a_near_tie,
-                             checkpoint_cases, greedy_with_margins, hf_logits, logits_of)
+from minivllm.model.loader import load_weights
+from tests.test_bf16 import (LOGIT_BOUND, assert_greedy_follows_fp32_up_to_a_near_tie, book_greedy_runs,
+                             checkpoint_cases, hf_logits, logits_of)
 
 pytestmark = pytest.mark.skipif(not builds(load_cpu_int8), reason="the int8 GEMV did not build (make install)")
 INT8 = "int8_per_channel_weight_only"
@@ -164,13 +164,4 @@ def test_int8_logits_are_within_the_bound_of_fp32(checkpoints):
 
 
 def test_int8_greedy_follows_fp32_transformers_up_to_a_near_tie(capsys):
-    llm = LLM(quantization=INT8)
-    hf32 = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
-    prompts = [llm.tokenizer(t).input_ids[:64] for t in BOOK_TEXTS]
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True), use_tqdm=False)
-    runs = []
-    for prompt, output in zip(prompts, outputs):
-        want, margins, scale = greedy_with_margins(hf32, prompt, GREEDY_TOKENS)
-        runs.append((output.outputs[0].token_ids, want, margins, 2 * LOGIT_BOUND * scale))
-    assert_greedy_follows_fp32_up_to_a_near_tie(runs, capsys)
+    assert_greedy_follows_fp32_up_to_a_near_tie(book_greedy_runs(LLM(quantization=INT8)), capsys)

@@ -1,14 +1,15 @@
 """Chapter 8b's GEMV (`minivllm/kernels/cpu_gemv.py`): the product of `nn.Linear` for 1 to 4 rows, bf16 or fp32.
 
-- **The product.** Against a float64 product of the same bf16 numbers, at shapes that break a blocked loop (one
-  output row, fewer than four, a count that is not a multiple of four, one line of 32 weights, SmolLM2's 576 and
-  1,536), for 1 to 4 activation rows: the GEMV's largest error, relative to the largest output, is at most 1.5
-  times the one `torch.nn.functional.linear` makes in bf16 on the same inputs (both sum in fp32 and round once
-  to bf16; they differ in the order of the additions). Checked for the AVX-512 BF16 loop where this CPU has it,
-  for AVX2's FMA loop on widened bf16 where it has AVX2 FMA (built with -mno-avx512bf16), and for the portable
-  loop everywhere (built with -mno-avx512bf16 -mno-fma).
-- **fp32**: the FMA loop where this CPU has AVX2 FMA, and the portable loop everywhere (built with -mno-fma): the
-  largest error relative to the largest output within 2^-20, as torch's own fp32 linear is.
+- **The product.** Against a float64 product of the same bf16 numbers, at shapes that break an unrolled loop (one
+  output row, fewer than four, a count that is not a multiple of four, one line of 32 weights, three lines,
+  SmolLM2's 576 and 1,536), for 1 to 4 activation rows: the GEMV's largest error, relative to the largest
+  output, is at most 1.5 times the one `torch.nn.functional.linear` makes in bf16 on the same inputs (both sum
+  in fp32 and round once to bf16; they differ in the order of the additions). Checked for the AVX-512 BF16 loop
+  where this CPU has it, for AVX2's FMA loop on widened bf16 where it has AVX2 FMA (built with
+  -mno-avx512bf16), and for the portable loop everywhere (built with -mno-avx512bf16 -mno-fma).
+- **fp32**: the FMA loop where this CPU has AVX2 FMA, and the portable loop everywhere (built with -mno-fma), at
+  widths that leave 8, 24 or none of a row after its turns of 32 weights: the largest error relative to the
+  largest output within 2^-20, as torch's own fp32 linear is.
 - **Its refusals**: other dtypes, more than four rows, K not a multiple of 32 (bf16) or 8 (fp32), each with an
   error naming it.
 - **`use_gemv`**: a model with no bf16 or fp32 layer is left as it is and nothing is compiled; otherwise each
@@ -84,7 +85,7 @@ def gemv_f32(request):
 
 
 @pytest.mark.parametrize("n", [1, 3, 5, 577])
-@pytest.mark.parametrize("k", [8, 576, 1536])
+@pytest.mark.parametrize("k", [8, 40, 56, 576, 1536])  # 32 weights a turn: 8 and 24 left, and none
 def test_the_fp32_gemv_is_as_accurate_as_torchs_fp32_linear(gemv_f32, n, k):
     gen = torch.Generator().manual_seed(n * 10_000 + k)
     for m in range(1, GEMV_MAX_ROWS + 1):
@@ -100,7 +101,7 @@ def test_the_fp32_gemv_is_as_accurate_as_torchs_fp32_linear(gemv_f32, n, k):
 
 
 @pytest.mark.parametrize("n", [1, 3, 5, 577])
-@pytest.mark.parametrize("k", [32, 576, 1536])
+@pytest.mark.parametrize("k", [32, 96, 576, 1536])  # lines of 32 into two sums in turn: an odd count, and even
 def test_gemv_is_as_accurate_as_torchs_bf16_linear(gemv, n, k):
     gen = torch.Generator().manual_seed(n * 10_000 + k)
     for m in range(1, GEMV_MAX_ROWS + 1):

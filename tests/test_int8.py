@@ -56,7 +56,7 @@ def gemv_int8(request):
     return load_cpu_int8(request.param).gemv_int8
 
 
-@pytest.mark.parametrize("n, k", [(1, 8), (3, 64), (17, 576), (192, 576), (577, 576), (576, 1536)])
+@pytest.mark.parametrize("n, k", [(1, 8), (3, 64), (5, 88), (17, 576), (192, 576), (577, 576), (576, 1536)])
 def test_the_kernel_multiplies_by_the_dequantized_weights(gemv_int8, n, k):
     gen = torch.Generator().manual_seed(n * k)
     q, scale = quantize_int8(torch.randn(n, k, generator=gen))

@@ -59,8 +59,18 @@ DECODE_SCORES = r"""
       const float* qs = Q + s * num_heads * dim;
       scores.resize(num_heads * n);
       for (int64_t t0 = 0; t0 < n; t0 += block_size) {  // one block: up to block_size consecutive rows
-        const auto* k = K + int64_t(T[s * width + t0 / block_size]) * block_size * row;
-        for (int64_t t = t0; t < std::min(n, t0 + block_size); ++t, k += row)
+        const int64_t first = int64_t(T[s * width + t0 / block_size]) * block_size * row, bytes = row * sizeof(*K);
+        const auto* k = K + first;
+        // this block's values (the next pass reads them) and the next block's keys, asked for ahead of use: the
+        // blocks lie apart, where the CPU's prefetcher cannot guess them, and were last read a whole step ago
+        const char* values = reinterpret_cast<const char*>(V + first);
+        const char* next_keys = t0 + block_size >= n ? nullptr : reinterpret_cast<const char*>(
+            K + int64_t(T[s * width + t0 / block_size + 1]) * block_size * row);
+        for (int64_t t = t0; t < std::min(n, t0 + block_size); ++t, k += row) {
+          for (int64_t line = (t - t0) * bytes; line < (t - t0 + 1) * bytes; line += 64) {  // row t's lines
+            __builtin_prefetch(values + line);
+            if (next_keys != nullptr) __builtin_prefetch(next_keys + line);
+          }
           for (int64_t head = 0; head < num_heads; ++head) {
             const auto* kh = k + (head / group) * dim;  // grouped-query: heads of a group share a kv head
             float dot = 0.f;
@@ -68,6 +78,7 @@ DECODE_SCORES = r"""
             for (int64_t d = 0; d < dim; ++d) dot += qs[head * dim + d] * widen(kh[d]);
             scores[head * n + t] = dot * fscale;
           }
+        }
       }
       for (int64_t head = 0; head < num_heads; ++head) {  // softmax of each head's scores, in place
         float* p = scores.data() + head * n;

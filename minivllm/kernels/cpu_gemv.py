@@ -13,48 +13,42 @@ GEMV_ROWS = r"""
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-// out[m, n] = x[m, :] . w[n, :] for rows n in [begin, end) and M rows of x. The vdpbf16ps loop reads each
-// weight row once for all M rows; the portable loop (below it) walks a weight row once per row of x.
+// out[m, n] = x[m, :] . w[n, :] for rows n in [begin, end) and M rows of x: each weight row read once, start to
+// end, for all M rows of x, so that a thread reads its weights in the order they lie in memory.
 template <int M, typename T, typename TW>  // AVX2's loop, written with the fp32 product below (TW: the weights'
-int64_t fma_rows(const T* X, const TW* W, T* O, int64_t K, int64_t N, int64_t begin, int64_t end);  // type)
+void fma_rows(const T* X, const TW* W, T* O, int64_t K, int64_t N, int64_t begin, int64_t end);  // type)
+template <int M, typename T, typename TW>  // the portable loop, written there too
+void portable_rows(const T* X, const TW* W, T* O, int64_t K, int64_t N, int64_t begin, int64_t end);
 
 template <int M>
 void gemv_rows(const at::BFloat16* X, const at::BFloat16* W, at::BFloat16* O, int64_t K, int64_t N,
                int64_t begin, int64_t end) {
 #ifdef __AVX512BF16__
-  for (; begin + 4 <= end; begin += 4) {  // four weight rows at once: 4 * M independent sums in flight
-    __m512 acc[4][M];
-    for (int r = 0; r < 4; ++r) for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32) {  // 32 bf16: one 64-byte line of each row
-      __m512bh xv[M];
-      for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(X + m * K + k);
-      for (int r = 0; r < 4; ++r) {
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(W + (begin + r) * K + k);
-        for (int m = 0; m < M; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv, xv[m]);  // 32 products
-      }
+  for (int64_t n = begin; n < end; ++n) {
+    const at::BFloat16* w = W + n * K;
+    __m512 acc[M][2];  // two sums per row of x: two independent chains of vdpbf16ps in flight
+    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {  // 32 bf16, one 64-byte line of the row, into each sum in turn
+      const int s = (k / 32) % 2;  // (K is a multiple of 32)
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
+      for (int m = 0; m < M; ++m)
+        acc[m][s] = _mm512_dpbf16_ps(acc[m][s], wv, (__m512bh)_mm512_loadu_si512(X + m * K + k));
     }
-    for (int r = 0; r < 4; ++r)  // the 16 partial sums of each output, added, rounded to bf16 once
-      for (int m = 0; m < M; ++m) O[m * N + begin + r] = at::BFloat16(_mm512_reduce_add_ps(acc[r][m]));
+    for (int m = 0; m < M; ++m)  // the 32 partial sums of each output, added, rounded to bf16 once
+      O[m * N + n] = at::BFloat16(_mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1])));
   }
 #elif defined(__AVX2__) && defined(__FMA__)
-  begin = fma_rows<M>(X, W, O, K, N, begin, end);
+  fma_rows<M>(X, W, O, K, N, begin, end);
+#else
+  portable_rows<M>(X, W, O, K, N, begin, end);
 #endif
-  for (int64_t n = begin; n < end; ++n)  // the portable loop (and the last rows): widen, multiply, sum in fp32
-    for (int m = 0; m < M; ++m) {
-      float dot = 0.f;
-      #pragma omp simd reduction(+:dot)
-      for (int64_t k = 0; k < K; ++k) dot += static_cast<float>(X[m * K + k]) * static_cast<float>(W[n * K + k]);
-      O[m * N + n] = at::BFloat16(dot);
-    }
 }
 """
 
 
 GEMV_LOADS = r"""
 // Eight numbers of a row as eight floats, for the FMA loop: fp32 as they are; bf16, the top half of a float32,
-// widened by a shift; int8 weights (the chapter's last section) sign-extended, then converted, with a hint to
-// fetch the line 4 KB ahead at each new line (the hardware's prefetcher alone streamed them at half the bytes per
-// second of fp32 weights here: each int8 line feeds four times as many loop steps).
+// widened by a shift; int8 weights (the chapter's last section) sign-extended, then converted.
 #if defined(__AVX2__) && defined(__FMA__)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::BFloat16* p) {
@@ -62,7 +56,6 @@ inline __m256 load8(const at::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
 }
 inline __m256 load8(const int8_t* p) {
-  if ((reinterpret_cast<uintptr_t>(p) & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(p) + 4096, _MM_HINT_T0);
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 #endif
@@ -72,29 +65,30 @@ inline __m256 load8(const int8_t* p) {
 GEMV_FMA = r"""
 // The same product with AVX2's fused multiply-add (vfmadd231ps): eight floats of a weight row times eight of an
 // activation row, added into eight fp32 sums, one instruction; rows of any type that load8 widens to floats.
-// Returns where the rows it left begin.
 #if defined(__AVX2__) && defined(__FMA__)
 template <int M, typename T, typename TW>
-int64_t fma_rows(const T* X, const TW* W, T* O, int64_t K, int64_t N, int64_t begin, int64_t end) {
-  for (; begin + 4 <= end; begin += 4) {  // four weight rows at once, each line of them serving all M rows
-    __m256 acc[4][M];
-    for (int r = 0; r < 4; ++r) for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8) {
-      __m256 xv[M];
-      for (int m = 0; m < M; ++m) xv[m] = load8(X + m * K + k);
-      for (int r = 0; r < 4; ++r) {
-        const __m256 wv = load8(W + (begin + r) * K + k);
-        for (int m = 0; m < M; ++m) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]);
+void fma_rows(const T* X, const TW* W, T* O, int64_t K, int64_t N, int64_t begin, int64_t end) {
+  for (int64_t n = begin; n < end; ++n) {  // one weight row at a time, start to end, serving all M rows of x
+    const TW* w = W + n * K;
+    __m256 acc[M][4];  // four sums per row of x: four independent chains of FMAs in flight
+    for (int m = 0; m < M; ++m) for (int s = 0; s < 4; ++s) acc[m][s] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32)  // eight weights into each sum in turn
+      for (int s = 0; s < 4; ++s) {
+        const __m256 wv = load8(w + k + 8 * s);
+        for (int m = 0; m < M; ++m) acc[m][s] = _mm256_fmadd_ps(wv, load8(X + m * K + k + 8 * s), acc[m][s]);
       }
+    for (; k < K; k += 8) {  // the last 8 to 24 weights of the row (K is a multiple of 8), into the first sum
+      const __m256 wv = load8(w + k);
+      for (int m = 0; m < M; ++m) acc[m][0] = _mm256_fmadd_ps(wv, load8(X + m * K + k), acc[m][0]);
     }
-    for (int r = 0; r < 4; ++r)  // the eight partial sums of each output, added (and rounded once, for bf16)
-      for (int m = 0; m < M; ++m) {
-        const __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc[r][m]), _mm256_extractf128_ps(acc[r][m], 1));
-        const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
-        O[m * N + begin + r] = T(_mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair))));
-      }
+    for (int m = 0; m < M; ++m) {  // the 32 partial sums of each output, added (and rounded once, for bf16)
+      const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]), _mm256_add_ps(acc[m][2], acc[m][3]));
+      const __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+      const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+      O[m * N + n] = T(_mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair))));
+    }
   }
-  return begin;
 }
 bool has_fma() { return true; }  // whether this build has the FMA loop (compiled for this CPU: -march=native)
 #else
@@ -104,20 +98,27 @@ bool has_fma() { return false; }
 
 
 GEMV_ROWS_F32 = r"""
-// fp32's gemv_rows: the FMA loop where this build has it, then the portable loop (and the last rows). The weights
-// are fp32, or int8 (the chapter's last section), each widened to a float as it is read.
-template <int M, typename TW>
-void gemv_rows(const float* X, const TW* W, float* O, int64_t K, int64_t N, int64_t begin, int64_t end) {
-#if defined(__AVX2__) && defined(__FMA__)
-  begin = fma_rows<M>(X, W, O, K, N, begin, end);
-#endif
+// The portable loop, for bf16 and fp32 alike: for each weight row, one pass per row of x (widen, multiply, sum in
+// fp32, vectorised by the compiler), each sum rounded to T once.
+template <int M, typename T, typename TW>
+void portable_rows(const T* X, const TW* W, T* O, int64_t K, int64_t N, int64_t begin, int64_t end) {
   for (int64_t n = begin; n < end; ++n)
     for (int m = 0; m < M; ++m) {
       float dot = 0.f;
       #pragma omp simd reduction(+:dot)
-      for (int64_t k = 0; k < K; ++k) dot += X[m * K + k] * static_cast<float>(W[n * K + k]);
-      O[m * N + n] = dot;
+      for (int64_t k = 0; k < K; ++k) dot += static_cast<float>(X[m * K + k]) * static_cast<float>(W[n * K + k]);
+      O[m * N + n] = T(dot);
     }
+}
+// fp32's gemv_rows: the FMA loop where this build has it, else the portable loop. The weights are fp32, or int8
+// (the chapter's last section), each widened to a float as it is read.
+template <int M, typename TW>
+void gemv_rows(const float* X, const TW* W, float* O, int64_t K, int64_t N, int64_t begin, int64_t end) {
+#if defined(__AVX2__) && defined(__FMA__)
+  fma_rows<M>(X, W, O, K, N, begin, end);
+#else
+  portable_rows<M>(X, W, O, K, N, begin, end);
+#endif
 }
 """
 
@@ -133,18 +134,17 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w, const char* name, const cha
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 4, name, ": x must have 1 to 4 rows, not ", x.size(0));
   TORCH_CHECK(w.size(1) % line == 0, name, ": K must be a multiple of ", line, ", not ", w.size(1));
   auto xc = x.contiguous(), wc = w.contiguous();  // no copy for a layer's own weights
-  const int64_t M = x.size(0), N = w.size(0), K = w.size(1), groups = (N + 3) / 4;
+  const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
   auto out = torch::empty({M, N}, x.options());
   const T* X = xc.data_ptr<T>();
   const T* W = wc.data_ptr<T>();
   T* O = out.data_ptr<T>();
-  at::parallel_for(0, groups, 16, [&](int64_t begin, int64_t end) {  // each thread: a range of 4-row groups
-    const int64_t first = 4 * begin, last = std::min(N, 4 * end);
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {  // each thread: a range of weight rows
     switch (M) {
-      case 1: gemv_rows<1>(X, W, O, K, N, first, last); break;
-      case 2: gemv_rows<2>(X, W, O, K, N, first, last); break;
-      case 3: gemv_rows<3>(X, W, O, K, N, first, last); break;
-      default: gemv_rows<4>(X, W, O, K, N, first, last);
+      case 1: gemv_rows<1>(X, W, O, K, N, begin, end); break;
+      case 2: gemv_rows<2>(X, W, O, K, N, begin, end); break;
+      case 3: gemv_rows<3>(X, W, O, K, N, begin, end); break;
+      default: gemv_rows<4>(X, W, O, K, N, begin, end);
     }
   });
   return out;

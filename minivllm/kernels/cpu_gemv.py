@@ -165,12 +165,19 @@ bool has_dpbf16() {  // whether this build has the AVX-512 BF16 loop (compiled f
 """
 
 
+GEMV_LOOPS = GEMV_ROWS + GEMV_LOADS + GEMV_FMA + GEMV_ROWS_F32  # the loops: the GEMV's, and int8's (below)
+
+
+def variant_name(name: str, extra_cflags: tuple[str, ...]) -> str:
+    """`name` with its extra compiler flags in it, so that each variant builds in its own folder."""
+    return name + "".join(f.replace("-", "_").replace("=", "_") for f in extra_cflags)
+
+
 @functools.cache
 def load_cpu_gemv(extra_cflags: tuple[str, ...] = ()):
     """The compiled GEMV module (`gemv_bf16`, `gemv_f32`, `has_dpbf16`, `has_fma`); `extra_cflags` builds a variant
-    under another name (the tests build the portable loops with -mno-avx512bf16 -mno-fma)."""
-    name = "minivllm_cpu_gemv" + "".join(f.replace("-", "_").replace("=", "_") for f in extra_cflags)
-    return build_extension(name, GEMV_ROWS + GEMV_LOADS + GEMV_FMA + GEMV_ROWS_F32 + GEMV_CALL,
+    (the tests build the portable loops with -mno-avx512bf16 -mno-fma)."""
+    return build_extension(variant_name("minivllm_cpu_gemv", extra_cflags), GEMV_LOOPS + GEMV_CALL,
                            ["gemv_bf16", "gemv_f32", "has_dpbf16", "has_fma"], extra_cflags)
 
 

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from minivllm.kernels.cpu_attention import build_extension
-from minivllm.kernels.cpu_gemv import GEMV_FMA, GEMV_LOADS, GEMV_ROWS_F32
+from minivllm.kernels.cpu_gemv import GEMV_LOOPS, variant_name
 
 
 GEMV_INT8 = r"""
@@ -51,9 +51,7 @@ INT8_LINE = 8  # weights the FMA loop loads at once: a layer's input width must 
 @functools.cache
 def load_cpu_int8(extra_cflags: tuple[str, ...] = ()):
     """The compiled module (`gemv_int8`); `extra_cflags` builds a variant (the tests: the portable loop)."""
-    name = "minivllm_cpu_int8" + "".join(f.replace("-", "_").replace("=", "_") for f in extra_cflags)
-    headers = "#include <torch/extension.h>\n#include <ATen/Parallel.h>\n#include <immintrin.h>\n"
-    return build_extension(name, headers + GEMV_LOADS + GEMV_FMA + GEMV_ROWS_F32 + GEMV_INT8, ["gemv_int8"],
+    return build_extension(variant_name("minivllm_cpu_int8", extra_cflags), GEMV_LOOPS + GEMV_INT8, ["gemv_int8"],
                            extra_cflags)
 
 

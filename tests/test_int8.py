@@ -1,12 +1,14 @@
-"""Weight-only int8 (`LLM(quantization="int8_per_channel_weight_only")`, chapter 8b's last section): each linear
-layer's weight as int8 rows with one fp32 scale per row (vLLM 0.33.0's per-channel recipe), fp32 activations.
+"""Int8 weights (`LLM(quantization="int8_per_channel_weight_only")`, chapter 8b's last section): each linear
+layer's weight as int8 rows with one fp32 scale per row (vLLM 0.33.0's per-channel recipe), fp32 activations
+that the kernel rounds per row to int16 steps (max |row| / 32767) so that the products are integer sums (VNNI).
 
 Its correctness is defined in three parts, each checked here:
 
-1. **It computes with the weights it says it has.** The kernel's output equals x times the dequantized weights
-   (q * scale) up to fp32 summation order (2^-20 of the largest output), and the engine's greedy tokens equal
-   transformers' run on a copy of the checkpoint whose linear weights are replaced by those dequantized weights,
-   token for token, on three architectures and the embedded model.
+1. **It computes with the numbers it says it has.** The kernel's output equals x, rounded as the kernel rounds it
+   (round_to_int16_steps), times the dequantized weights (q * scale), within 2^-20 of the largest output; the
+   VNNI loop and the portable loop give the same bits; and the engine's greedy tokens equal transformers' run on
+   a copy of the checkpoint whose linear weights are replaced by those dequantized weights and whose linear
+   layers round their inputs the same way, token for token, on three architectures and the embedded model.
 2. **Logits against fp32**: every logit within LOGIT_BOUND = 2^-6 of the largest logit's magnitude, the bound
    bf16 is held to (tests/test_bf16.py): each weight moves by at most half a step, 1/254 of its row's largest
    (measured: at most 0.0082 of it on the embedded model).
@@ -27,7 +29,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.config import ModelConfig
 from minivllm.kernels.cpu_attention import builds
 from minivllm.kernels.cpu_gemv import GemvLinear
-from minivllm.kernels.cpu_int8 import INT8_LINE, Int8Linear, load_cpu_int8, quantize_int8, use_int8
+from minivllm.kernels.cpu_int8 import Int8Linear, load_cpu_int8, quantize_int8, round_to_int16_steps, use_int8
 from minivllm.model.decoder import CausalLM
 from minivllm.model.loader import load_weights
 from tests.test_bf16 import (LOGIT_BOUND, assert_greedy_follows_fp32_up_to_a_near_tie, book_greedy_runs,
@@ -51,22 +53,57 @@ def test_the_recipe_is_per_row_symmetric_and_rounds_each_weight_within_half_a_st
     assert ((q.double() * step - w.double()).abs() <= step * (0.5 + 2 ** -16)).all()
 
 
-@pytest.fixture(scope="module", params=[(), ("-mno-fma",)], ids=["fma-loop", "portable-loop"])
+PORTABLE = ("-mno-avx512vnni",)  # the build without the VNNI loop
+WIDTHS = [(1, 8), (3, 64), (5, 88), (9, 33), (17, 576), (192, 576), (577, 576), (7, 1000), (576, 1536)]
+
+
+@pytest.fixture(scope="module", params=[(), PORTABLE], ids=["this-cpu", "portable-loop"])
 def gemv_int8(request):
     return load_cpu_int8(request.param).gemv_int8
 
 
-@pytest.mark.parametrize("n, k", [(1, 8), (3, 64), (5, 88), (17, 576), (192, 576), (577, 576), (576, 1536)])
-def test_the_kernel_multiplies_by_the_dequantized_weights(gemv_int8, n, k):
+@pytest.mark.parametrize("n, k", WIDTHS)  # widths past a chunk of 512, and tails of 1 to 63 under the mask
+def test_the_kernel_multiplies_the_rounded_rows_by_the_dequantized_weights(gemv_int8, n, k):
     gen = torch.Generator().manual_seed(n * k)
     q, scale = quantize_int8(torch.randn(n, k, generator=gen))
     dequantized = q.double() * scale.double()[:, None]
     for rows in (1, 2, 3, 4, 5, 8, 9, 33):  # every chunk of four rows, and the last chunk's sizes
-        x = torch.randn(rows, k, generator=gen)
-        exact = x.double() @ dequantized.T
-        got = gemv_int8(x, q, scale)
-        assert got.shape == (rows, n) and got.dtype == torch.float32
-        assert (got.double() - exact).abs().max() <= 2 ** -20 * exact.abs().max(), (rows, n, k)
+        x = torch.randn(rows, k, generator=gen) * torch.logspace(-2, 2, rows)[:, None]  # each row its own steps
+        got = gemv_int8(x, q, scale).double()
+        assert got.shape == (rows, n)
+        exact = round_to_int16_steps(x).double() @ dequantized.T
+        assert (got - exact).abs().max() <= 2 ** -20 * exact.abs().max(), (rows, n, k)
+        half_step = x.abs().amax(dim=1, keepdim=True).double() / 32767 / 2  # what rounding moves an input by
+        unrounded = x.double() @ dequantized.T
+        assert ((got - unrounded).abs() <= half_step * dequantized.abs().sum(dim=1) + 2 ** -20 * exact.abs().max()).all()
+
+
+@pytest.mark.skipif(not load_cpu_int8().has_vnni(), reason="no AVX-512 VNNI here: one loop only")
+@pytest.mark.parametrize("n, k", WIDTHS)
+def test_the_vnni_loop_and_the_portable_loop_give_the_same_bits(n, k):
+    gen = torch.Generator().manual_seed(n + k)
+    q, scale = quantize_int8(torch.randn(n, k, generator=gen))
+    x = torch.randn(6, k, generator=gen)
+    assert not load_cpu_int8(PORTABLE).has_vnni()
+    assert torch.equal(load_cpu_int8().gemv_int8(x, q, scale), load_cpu_int8(PORTABLE).gemv_int8(x, q, scale))
+
+
+def test_integer_sums_past_int32_do_not_overflow(gemv_int8):
+    k = 4096  # 4096 x 127 x 32767 is about 8 x 2^31: only chunked sums get this right
+    q, scale = torch.full((3, k), 127, dtype=torch.int8), torch.tensor([1.0, 0.5, 2.0])
+    x = torch.stack([torch.full((k,), 1.5), torch.full((k,), -1.5)])
+    got = gemv_int8(x, q, scale).double()
+    expected = torch.tensor([[1.5], [-1.5]], dtype=torch.float64) * (k * 127) * scale.double()
+    assert torch.allclose(got, expected, rtol=2 ** -20, atol=0)
+
+
+def test_a_row_with_a_nan_or_an_infinity_gives_nan_and_the_other_rows_their_values(gemv_int8):
+    q, scale = quantize_int8(torch.randn(5, 40))
+    x = torch.randn(4, 40)
+    x[1, 7], x[3, 0] = float("nan"), float("inf")
+    got = gemv_int8(x, q, scale)
+    assert got[[1, 3]].isnan().all()
+    assert torch.equal(got[[0, 2]], gemv_int8(x[[0, 2]], q, scale))
 
 
 def test_the_kernel_reads_strided_activations_as_their_values():
@@ -80,7 +117,7 @@ def test_the_kernel_reads_strided_activations_as_their_values():
     (torch.randn(1, 64), torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, dtype=torch.float64), "float32"),
     (torch.randn(1, 64).bfloat16(), torch.zeros(4, 64, dtype=torch.int8), torch.ones(4), "float32"),
     (torch.randn(1, 64), torch.zeros(4, 64), torch.ones(4), "int8"),
-    (torch.randn(1, 60), torch.zeros(4, 60, dtype=torch.int8), torch.ones(4), "multiple of 8"),
+    (torch.randn(1, 2, 64), torch.zeros(4, 64, dtype=torch.int8), torch.ones(4), r"x must be \[M, K\]"),
     (torch.randn(1, 64), torch.zeros(4, 64, dtype=torch.int8), torch.ones(5), r"scale \[N\]"),
     (torch.randn(1, 32), torch.zeros(4, 64, dtype=torch.int8), torch.ones(4), r"x must be \[M, K\]"),
 ])
@@ -89,7 +126,7 @@ def test_the_kernel_refuses_what_it_cannot_compute(x, q, scale, message):
         load_cpu_int8().gemv_int8(x, q, scale)
 
 
-def test_use_int8_replaces_every_fp32_linear_layer_it_can_and_keeps_the_tied_embedding_in_fp32():
+def test_use_int8_replaces_every_fp32_linear_layer_and_keeps_the_tied_embedding_in_fp32():
     hf = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "intermediate_size": 100, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128,
           "tie_word_embeddings": True}
@@ -98,10 +135,8 @@ def test_use_int8_replaces_every_fp32_linear_layer_it_can_and_keeps_the_tied_emb
     mlp.up_proj = GemvLinear.sharing(mlp.up_proj)  # as LLM's cpu_gemv option leaves it: a subclass of nn.Linear
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     embedding = model.model.embed_tokens.weight
-    swapped = use_int8(model)
-    unswapped = [name for name, m in linears.items() if m.in_features % INT8_LINE]  # down_proj: 100 inputs
-    assert unswapped and swapped == len(linears) - len(unswapped)
-    assert all(isinstance(dict(model.named_modules())[name], Int8Linear) for name in linears if name not in unswapped)
+    assert use_int8(model) == len(linears)  # down_proj's 100 inputs too: any width
+    assert all(isinstance(dict(model.named_modules())[name], Int8Linear) for name in linears)
     assert isinstance(model.lm_head, Int8Linear) and model.lm_head.q.dtype == torch.int8
     assert model.model.embed_tokens.weight is embedding and embedding.dtype == torch.float32
     assert model.lm_head.weight.dtype == torch.float32 and model.lm_head.weight.shape == (128, 64)
@@ -126,12 +161,14 @@ def test_the_engine_refuses_int8_with_tensor_parallelism_before_starting_workers
 
 
 def dequantized_copy(hf_model):
-    """transformers' model with each linear weight that use_int8 takes replaced by q * scale (untied)."""
+    """transformers' model with each linear weight replaced by q * scale (untied), each linear layer's input
+    rounded as the kernel rounds it."""
     copied = copy.deepcopy(hf_model)
     for module in copied.modules():
-        if isinstance(module, nn.Linear) and module.in_features % INT8_LINE == 0:
+        if isinstance(module, nn.Linear):
             q, scale = quantize_int8(module.weight)
             module.weight = nn.Parameter(q.float() * scale[:, None])
+            module.register_forward_pre_hook(lambda module, args: (round_to_int16_steps(args[0]),))
     return copied
 
 

@@ -126,7 +126,8 @@ class EngineArgs:
         model.add_argument("--dtype", choices=list(DTYPES), default=d.dtype,
                            help="weights and activations; auto: the checkpoint's on a GPU, float32 on a CPU")
         model.add_argument("--quantization", "-q", choices=["int8_per_channel_weight_only"], default=d.quantization,
-                           help="int8_per_channel_weight_only: int8 weight rows and fp32 activations, on a CPU "
+                           help="int8_per_channel_weight_only: int8 weight rows, fp32 activations rounded to int16 "
+                                "per row in the products, on a CPU "
                                 "(chapter 8b); default: the checkpoint's weights")
         model.add_argument("--seed", type=bounded_int(0, MAX_SEED), default=d.seed,
                            help="the engine's random seed (requests without a seed of their own)")

@@ -15,10 +15,10 @@ GEMV_ROWS = r"""
 
 // out[m, n] = x[m, :] . w[n, :] for rows n in [begin, end) and M rows of x: each weight row read once, start to
 // end, for all M rows of x, so that a thread reads its weights in the order they lie in memory.
-template <int M, typename T, typename TW>  // AVX2's loop, written with the fp32 product below (TW: the weights'
-void fma_rows(const T* X, const TW* W, T* O, int64_t K, int64_t N, int64_t begin, int64_t end);  // type)
-template <int M, typename T, typename TW>  // the portable loop, written there too
-void portable_rows(const T* X, const TW* W, T* O, int64_t K, int64_t N, int64_t begin, int64_t end);
+template <int M, typename T>  // AVX2's loop, written with the fp32 product below
+void fma_rows(const T* X, const T* W, T* O, int64_t K, int64_t N, int64_t begin, int64_t end);
+template <int M, typename T>  // the portable loop, written there too
+void portable_rows(const T* X, const T* W, T* O, int64_t K, int64_t N, int64_t begin, int64_t end);
 
 template <int M>
 void gemv_rows(const at::BFloat16* X, const at::BFloat16* W, at::BFloat16* O, int64_t K, int64_t N,
@@ -48,15 +48,12 @@ void gemv_rows(const at::BFloat16* X, const at::BFloat16* W, at::BFloat16* O, in
 
 GEMV_LOADS = r"""
 // Eight numbers of a row as eight floats, for the FMA loop: fp32 as they are; bf16, the top half of a float32,
-// widened by a shift; int8 weights (the chapter's last section) sign-extended, then converted.
+// widened by a shift.
 #if defined(__AVX2__) && defined(__FMA__)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::BFloat16* p) {
   const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
-}
-inline __m256 load8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 #endif
 """
@@ -64,12 +61,12 @@ inline __m256 load8(const int8_t* p) {
 
 GEMV_FMA = r"""
 // The same product with AVX2's fused multiply-add (vfmadd231ps): eight floats of a weight row times eight of an
-// activation row, added into eight fp32 sums, one instruction; rows of any type that load8 widens to floats.
+// activation row, added into eight fp32 sums, one instruction; fp32 or bf16 rows, which load8 widens to floats.
 #if defined(__AVX2__) && defined(__FMA__)
-template <int M, typename T, typename TW>
-void fma_rows(const T* X, const TW* W, T* O, int64_t K, int64_t N, int64_t begin, int64_t end) {
+template <int M, typename T>
+void fma_rows(const T* X, const T* W, T* O, int64_t K, int64_t N, int64_t begin, int64_t end) {
   for (int64_t n = begin; n < end; ++n) {  // one weight row at a time, start to end, serving all M rows of x
-    const TW* w = W + n * K;
+    const T* w = W + n * K;
     __m256 acc[M][4];  // four sums per row of x: four independent chains of FMAs in flight
     for (int m = 0; m < M; ++m) for (int s = 0; s < 4; ++s) acc[m][s] = _mm256_setzero_ps();
     int64_t k = 0;
@@ -100,8 +97,8 @@ bool has_fma() { return false; }
 GEMV_ROWS_F32 = r"""
 // The portable loop, for bf16 and fp32 alike: for each weight row, one pass per row of x (widen, multiply, sum in
 // fp32, vectorised by the compiler), each sum rounded to T once.
-template <int M, typename T, typename TW>
-void portable_rows(const T* X, const TW* W, T* O, int64_t K, int64_t N, int64_t begin, int64_t end) {
+template <int M, typename T>
+void portable_rows(const T* X, const T* W, T* O, int64_t K, int64_t N, int64_t begin, int64_t end) {
   for (int64_t n = begin; n < end; ++n)
     for (int m = 0; m < M; ++m) {
       float dot = 0.f;
@@ -110,10 +107,9 @@ void portable_rows(const T* X, const TW* W, T* O, int64_t K, int64_t N, int64_t 
       O[m * N + n] = T(dot);
     }
 }
-// fp32's gemv_rows: the FMA loop where this build has it, else the portable loop. The weights are fp32, or int8
-// (the chapter's last section), each widened to a float as it is read.
-template <int M, typename TW>
-void gemv_rows(const float* X, const TW* W, float* O, int64_t K, int64_t N, int64_t begin, int64_t end) {
+// fp32's gemv_rows: the FMA loop where this build has it, else the portable loop.
+template <int M>
+void gemv_rows(const float* X, const float* W, float* O, int64_t K, int64_t N, int64_t begin, int64_t end) {
 #if defined(__AVX2__) && defined(__FMA__)
   fma_rows<M>(X, W, O, K, N, begin, end);
 #else
@@ -165,7 +161,7 @@ bool has_dpbf16() {  // whether this build has the AVX-512 BF16 loop (compiled f
 """
 
 
-GEMV_LOOPS = GEMV_ROWS + GEMV_LOADS + GEMV_FMA + GEMV_ROWS_F32  # the loops: the GEMV's, and int8's (below)
+GEMV_LOOPS = GEMV_ROWS + GEMV_LOADS + GEMV_FMA + GEMV_ROWS_F32  # the loops, for the GEMV and variants of it
 
 
 def variant_name(name: str, extra_cflags: tuple[str, ...]) -> str:

@@ -6,53 +6,132 @@ import torch
 from torch import nn
 
 from minivllm.kernels.cpu_attention import build_extension
-from minivllm.kernels.cpu_gemv import GEMV_LOOPS, variant_name
+from minivllm.kernels.cpu_gemv import variant_name
+
+
+INT8_DOTS = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cmath>
+
+constexpr int64_t CHUNK = 512;  // 512 x 127 x 32767 < 2^31: no chunk's int32 sum overflows, whatever the signs
+
+// total[m] += x[m, first:last] . w[first:last] in integers, for M rows of x (int16) and one weight row (int8).
+// Integer sums are exact in any order: the VNNI loop and the portable loop give the same totals.
+template <int M>
+void chunk_dots(const int16_t* X, const int8_t* w, int64_t K, int64_t first, int64_t last, int64_t* total) {
+#ifdef __AVX512VNNI__
+  __m512i acc[M][2];  // two int32 sums per row of x: two chains of vpdpwssd in flight
+  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_si512();
+  int64_t k = first;
+  for (; k + 64 <= last; k += 64)  // 32 weights into each sum in turn, widened to int16: 16 pairs per int32 lane
+    for (int s = 0; s < 2; ++s) {
+      const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k + 32 * s)));
+      for (int m = 0; m < M; ++m)
+        acc[m][s] = _mm512_dpwssd_epi32(acc[m][s], wv, _mm512_loadu_si512(X + m * K + k + 32 * s));
+    }
+  for (; k < last; k += 32) {  // the chunk's last 1 to 63 weights, loaded under a mask (zeros past the end)
+    const __mmask32 live = last - k >= 32 ? ~0u : (1u << (last - k)) - 1;
+    const __m512i wv = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(live, w + k));
+    for (int m = 0; m < M; ++m)
+      acc[m][0] = _mm512_dpwssd_epi32(acc[m][0], wv, _mm512_maskz_loadu_epi16(live, X + m * K + k));
+  }
+  for (int m = 0; m < M; ++m) total[m] += _mm512_reduce_add_epi32(_mm512_add_epi32(acc[m][0], acc[m][1]));
+#else
+  for (int m = 0; m < M; ++m) {
+    int32_t dot = 0;
+    for (int64_t k = first; k < last; ++k) dot += int32_t(w[k]) * int32_t(X[m * K + k]);
+    total[m] += dot;
+  }
+#endif
+}
+
+bool has_vnni() {  // whether this build has the VNNI loop (compiled for this CPU: -march=native)
+#ifdef __AVX512VNNI__
+  return true;
+#else
+  return false;
+#endif
+}
+"""
+
+
+INT8_ROWS = r"""
+// out[m, n] = (x[m, :] . q[n, :]) * A[m] * S[n] for the weight rows n in [begin, end) and M rows of x (int16):
+// each weight row read once, start to end, for all M rows, in chunks whose int32 sums are added in int64
+template <int M>
+void int8_rows(const int16_t* X, const int8_t* W, const float* A, const float* S, float* O, int64_t K, int64_t N,
+               int64_t begin, int64_t end) {
+  for (int64_t n = begin; n < end; ++n) {
+    int64_t total[M] = {};
+    for (int64_t first = 0; first < K; first += CHUNK)
+      chunk_dots<M>(X, W + n * K, K, first, std::min(K, first + CHUNK), total);
+    for (int m = 0; m < M; ++m) O[m * N + n] = static_cast<float>(total[m]) * A[m] * S[n];
+  }
+}
+
+// Each row of x as int16 steps of its own: A[m] = max |x[m, :]| / 32767, X[m, k] = round(x[m, k] / A[m]). A row
+// holding a NaN or an infinity gets A[m] = NaN (and X = 0), so that its outputs are NaN.
+void round_rows(const float* x, int16_t* X, float* A, int64_t M, int64_t K) {
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* row = x + m * K;
+      float largest = 0.f, poison = 0.f;  // poison: NaN if the row holds a NaN or an infinity (their product by 0)
+      #pragma omp simd reduction(max:largest) reduction(+:poison)
+      for (int64_t k = 0; k < K; ++k) largest = std::max(largest, std::fabs(row[k])), poison += row[k] * 0.f;
+      const bool finite = poison == 0.f;
+      A[m] = !finite ? NAN : largest > 0.f ? largest / 32767.f : 1.f;
+      #pragma omp simd
+      for (int64_t k = 0; k < K; ++k)
+        X[m * K + k] = finite ? static_cast<int16_t>(std::nearbyint(row[k] / A[m])) : 0;
+    }
+  });
+}
+"""
 
 
 GEMV_INT8 = r"""
-// out [M, N] = (x [M, K] . q [N, K] transposed) * scale [N], for any M: per block of 16 weight rows, the rows of
-// x four at a time (the block stays in cache between them), then each output times its row's scale
+// out [M, N] = (x [M, K] . q [N, K] transposed) * scale [N], for any M: x rounded to int16 rows first, then per
+// block of 16 weight rows, the rows of x four at a time (the block stays in cache between them)
 torch::Tensor gemv_int8(torch::Tensor x, torch::Tensor q, torch::Tensor scale) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && q.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat,
               "gemv_int8: x must be float32, q int8 and scale float32");
   TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && x.size(1) == q.size(1) && scale.dim() == 1 &&
               scale.size(0) == q.size(0), "gemv_int8: x must be [M, K], q [N, K] and scale [N]");
-  TORCH_CHECK(q.size(1) % 8 == 0, "gemv_int8: K must be a multiple of 8, not ", q.size(1));
   auto xc = x.contiguous(), qc = q.contiguous(), sc = scale.contiguous();
   const int64_t M = x.size(0), N = q.size(0), K = q.size(1);
+  auto rounded = torch::empty({M, K}, x.options().dtype(at::kShort)), steps = torch::empty({M}, x.options());
+  round_rows(xc.data_ptr<float>(), rounded.data_ptr<int16_t>(), steps.data_ptr<float>(), M, K);
   auto out = torch::empty({M, N}, x.options());
-  const float *X = xc.data_ptr<float>(), *S = sc.data_ptr<float>();
+  const int16_t* X = rounded.data_ptr<int16_t>();
   const int8_t* W = qc.data_ptr<int8_t>();
+  const float *A = steps.data_ptr<float>(), *S = sc.data_ptr<float>();
   float* O = out.data_ptr<float>();
   at::parallel_for(0, (N + 15) / 16, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t first = 16 * begin; first < std::min(N, 16 * end); first += 16) {
-      const int64_t last = std::min(N, first + 16);
+    for (int64_t first = 16 * begin; first < std::min(N, 16 * end); first += 16)
       for (int64_t m = 0; m < M; m += 4) {
-        const float* Xm = X + m * K;
-        float* Om = O + m * N;
+        const int64_t last = std::min(N, first + 16);
+        const int16_t* Xm = X + m * K;
         switch (std::min<int64_t>(4, M - m)) {
-          case 1: gemv_rows<1>(Xm, W, Om, K, N, first, last); break;
-          case 2: gemv_rows<2>(Xm, W, Om, K, N, first, last); break;
-          case 3: gemv_rows<3>(Xm, W, Om, K, N, first, last); break;
-          default: gemv_rows<4>(Xm, W, Om, K, N, first, last);
+          case 1: int8_rows<1>(Xm, W, A + m, S, O + m * N, K, N, first, last); break;
+          case 2: int8_rows<2>(Xm, W, A + m, S, O + m * N, K, N, first, last); break;
+          case 3: int8_rows<3>(Xm, W, A + m, S, O + m * N, K, N, first, last); break;
+          default: int8_rows<4>(Xm, W, A + m, S, O + m * N, K, N, first, last);
         }
-        for (int64_t r = m; r < std::min(M, m + 4); ++r) for (int64_t n = first; n < last; ++n) O[r * N + n] *= S[n];
       }
-    }
   });
   return out;
 }
 """
 
 
-INT8_LINE = 8  # weights the FMA loop loads at once: a layer's input width must be a multiple of it
-
-
 @functools.cache
 def load_cpu_int8(extra_cflags: tuple[str, ...] = ()):
-    """The compiled module (`gemv_int8`); `extra_cflags` builds a variant (the tests: the portable loop)."""
-    return build_extension(variant_name("minivllm_cpu_int8", extra_cflags), GEMV_LOOPS + GEMV_INT8, ["gemv_int8"],
-                           extra_cflags)
+    """The compiled module (`gemv_int8`, `has_vnni`); `extra_cflags` builds a variant (the tests: the portable loop,
+    with -mno-avx512vnni)."""
+    return build_extension(variant_name("minivllm_cpu_int8", extra_cflags), INT8_DOTS + INT8_ROWS + GEMV_INT8,
+                           ["gemv_int8", "has_vnni"], extra_cflags)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,6 +140,14 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = w.abs().amax(dim=1) / 127
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a row of zeros: q = 0 whatever the scale
     return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
+
+
+def round_to_int16_steps(x: torch.Tensor) -> torch.Tensor:
+    """x as gemv_int8 computes with it, in fp32: each row rounded to steps of max |row| / 32767 (a row of zeros,
+    steps of 1), as its round_rows does; for checking it against transformers."""
+    step = x.abs().amax(dim=-1, keepdim=True) / 32767
+    step = torch.where(step > 0, step, torch.ones_like(step))
+    return (x / step).round() * step
 
 
 class Int8Linear(nn.Module):
@@ -88,10 +175,10 @@ class Int8Linear(nn.Module):
 
 def use_int8(model: nn.Module) -> int:
     """Puts an Int8Linear in the place of each linear layer of `model` (GemvLinear included) on a CPU with fp32
-    weights and an input width that is a multiple of INT8_LINE; returns how many."""
+    weights; returns how many."""
     eligible = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                 if isinstance(child, nn.Linear) and child.weight.device.type == "cpu"
-                and child.weight.dtype == torch.float32 and child.in_features % INT8_LINE == 0]
+                and child.weight.dtype == torch.float32]
     if eligible:
         load_cpu_int8()  # a build that fails raises here, before any layer changes
     for parent, name, child in eligible:

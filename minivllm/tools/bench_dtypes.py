@@ -7,7 +7,8 @@ its min and median. The engine runs as `LLM(dtype=...)` builds it: chapter 8b's 
 rows where this CPU has AVX2 with FMA (or, in bfloat16, AVX-512 BF16; each row counts its
 `gemv_linear_layers`); one more row, "float32 torch matmul" at batch 1, is float32 with `cpu_gemv="off"`: every
 product in torch's linear, the engine before the GEMV; and "int8 weights" is float32 with
-`quantization="int8_per_channel_weight_only"` (chapter 8b's last section: int8 rows, fp32 activations), at both
+`quantization="int8_per_channel_weight_only"` (chapter 8b's last section: int8 rows, fp32 activations
+rounded per row to int16 for VNNI products), at both
 batch sizes.
 Two fractions say how near the limits a row is:
 

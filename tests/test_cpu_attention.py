@@ -15,7 +15,8 @@ from minivllm.attention.paged import PagedAttention, PagedKVCache
 from minivllm.attention.selector import attention_backend_class
 from minivllm.config import EngineConfig, ModelConfig
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.kernels.cpu_attention import cpu_attention_available, paged_decode_cpu
+from minivllm.kernels.cpu_attention import (cpu_attention_available, load_cpu_attention, paged_decode_cpu,
+                                           write_kv_cpu)
 from minivllm.model.loader import load_weights
 from minivllm.sampling_params import SamplingParams
 from tests.conftest import transformers_greedy
@@ -65,6 +66,48 @@ def test_decode_kernel_equals_the_reference(block_size, heads, kv_heads, head_di
     PagedAttention(*args).write_kv(0, k, v)
     got = paged_decode_cpu(q, *cache.layer(0), tables, seq_lens)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fewer_sequences_than_threads_split_their_blocks_into_runs_and_merge_to_the_reference(threads, dtype):
+    block_size, lengths = 4, [1, 3, 5, 9, 4 * 7 + 2, 333]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # 1 to 3 sequences on 2 to 4 threads: 1 to 4 runs each, some of them empty
+    try:
+        for batch in ([n] for n in lengths), [lengths[:2], lengths[2:4], lengths[4:]], [lengths[3:]]:
+            for seqs in batch:
+                args, q, k, v = paged_step([n - 1 for n in seqs], [1] * len(seqs), block_size, 6, 2, 32, dtype=dtype,
+                                           seed=sum(seqs))
+                expected, _ = attend(PagedAttention, args, q, k, v)
+                cache, _, _, seq_lens, tables = args
+                PagedAttention(*args).write_kv(0, k, v)
+                got = paged_decode_cpu(q, *cache.layer(0), tables, seq_lens)
+                tolerance = 2e-5 if dtype == torch.float32 else 2e-2
+                torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_write_kv_puts_each_row_in_its_slot_and_refuses_slots_outside_the_cache():
+    args, q, k, v = paged_step([3, 10], [2, 1], 4, 4, 2, 16)
+    cache, slots = args[0], args[1]
+    expected = cache.kv.clone()
+    PagedAttention(*args).write_kv(0, k, v)
+    expected, cache.kv[:] = cache.kv.clone(), expected
+    write_kv_cpu(cache, 0, k, v, slots)
+    assert torch.equal(cache.kv, expected)
+    k_cache, v_cache = cache.layer(0)
+    for bad in (-1, k_cache.shape[0] * k_cache.shape[1]):
+        with pytest.raises(RuntimeError, match=f"slot {bad} is outside the cache"):
+            load_cpu_attention().write_kv(k_cache, v_cache, k, v, torch.tensor([0, 1, bad]))
+    with pytest.raises(RuntimeError, match="int64"):
+        load_cpu_attention().write_kv(k_cache, v_cache, k, v, slots.int())
+    with pytest.raises(RuntimeError, match=r"\[tokens, kv_heads, head_dim\]"):
+        load_cpu_attention().write_kv(k_cache, v_cache, k[:, :1], v[:, :1], slots)
+    with pytest.raises(RuntimeError, match="dtype"):
+        load_cpu_attention().write_kv(k_cache, v_cache, k.double(), v.double(), slots)
+    assert torch.equal(cache.kv, expected)  # nothing written by a refused call
 
 
 def test_decode_kernel_refuses_what_it_cannot_read():

@@ -4,7 +4,7 @@ import torch
 
 from minivllm.attention.base import causal_attention
 from minivllm.attention.paged import PagedAttention
-from minivllm.kernels.cpu_attention import paged_decode_cpu
+from minivllm.kernels.cpu_attention import paged_decode_cpu, write_kv_cpu
 
 
 class CPUPagedAttention(PagedAttention):
@@ -25,7 +25,7 @@ class CPUPagedAttention(PagedAttention):
     def attend(self, layer, q, k, v):
         if self.kv_cache.kv.dtype not in (torch.float32, torch.bfloat16):  # the kernel's two cache types
             return super().attend(layer, q, k, v)
-        k_cache, v_cache = self.write_kv(layer, k, v)
+        k_cache, v_cache = write_kv_cpu(self.kv_cache, layer, k, v, self.slot_mapping)  # chapter 5's write_kv
         if not self.others:  # decode-only: the busy engine's common step
             return self.decode(q, k_cache, v_cache, self.block_tables, self.seq_lens)
         out = torch.empty_like(q)

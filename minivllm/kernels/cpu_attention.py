@@ -50,23 +50,36 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 """
 
 
-DECODE_SCORES = r"""
+DECODE_ITEMS = r"""
+  // Work items: a sequence, or with fewer sequences than threads a run of its blocks, one per thread ("split KV").
+  // Each item keeps, per head, its largest score, its sum of exponentials and its unnormalised sum of values.
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = num_seqs >= threads ? 1 : (threads + num_seqs - 1) / num_seqs;  // runs per sequence
+  std::vector<float> tops(num_seqs * parts * num_heads), totals(num_seqs * parts * num_heads, 0.f);
+  std::vector<float> sums(num_seqs * parts * num_heads * dim, 0.f);
   auto attend = [&](const auto* K, const auto* V) {  // one body for both cache types (a generic lambda)
-  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {  // each thread: a range of sequences
-    std::vector<float> scores, acc(num_heads * dim);
-    for (int64_t s = begin; s < end; ++s) {
-      const int64_t n = L[s];
+  at::parallel_for(0, num_seqs * parts, 1, [&](int64_t begin, int64_t end) {  // each thread: a range of items
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / parts, part = item % parts, blocks = (L[s] + block_size - 1) / block_size;
+      const int64_t first_t = part * blocks / parts * block_size;  // whole blocks: [first_t, end_t)
+      const int64_t end_t = std::min(L[s], (part + 1) * blocks / parts * block_size), n = end_t - first_t;
+      if (n <= 0) continue;  // more parts than blocks: an empty run (its total stays 0)
       const float* qs = Q + s * num_heads * dim;
       scores.resize(num_heads * n);
-      for (int64_t t0 = 0; t0 < n; t0 += block_size) {  // one block: up to block_size consecutive rows
+"""
+
+
+DECODE_SCORES = r"""
+      for (int64_t t0 = first_t; t0 < end_t; t0 += block_size) {  // one block: up to block_size consecutive rows
         const int64_t first = int64_t(T[s * width + t0 / block_size]) * block_size * row, bytes = row * sizeof(*K);
         const auto* k = K + first;
         // this block's values (the next pass reads them) and the next block's keys, asked for ahead of use: the
         // blocks lie apart, where the CPU's prefetcher cannot guess them, and were last read a whole step ago
         const char* values = reinterpret_cast<const char*>(V + first);
-        const char* next_keys = t0 + block_size >= n ? nullptr : reinterpret_cast<const char*>(
+        const char* next_keys = t0 + block_size >= end_t ? nullptr : reinterpret_cast<const char*>(
             K + int64_t(T[s * width + t0 / block_size + 1]) * block_size * row);
-        for (int64_t t = t0; t < std::min(n, t0 + block_size); ++t, k += row) {
+        for (int64_t t = t0; t < std::min(end_t, t0 + block_size); ++t, k += row) {
           for (int64_t line = (t - t0) * bytes; line < (t - t0 + 1) * bytes; line += 64) {  // row t's lines
             __builtin_prefetch(values + line);
             if (next_keys != nullptr) __builtin_prefetch(next_keys + line);
@@ -76,35 +89,34 @@ DECODE_SCORES = r"""
             float dot = 0.f;
             #pragma omp simd reduction(+:dot)
             for (int64_t d = 0; d < dim; ++d) dot += qs[head * dim + d] * widen(kh[d]);
-            scores[head * n + t] = dot * fscale;
+            scores[head * n + t - first_t] = dot * fscale;
           }
         }
-      }
-      for (int64_t head = 0; head < num_heads; ++head) {  // softmax of each head's scores, in place
-        float* p = scores.data() + head * n;
-        const float top = *std::max_element(p, p + n);
-        float total = 0.f;
-        #pragma omp simd reduction(+:total)  // with -ffast-math: the vector exp of glibc's libmvec
-        for (int64_t t = 0; t < n; ++t) total += (p[t] = std::exp(p[t] - top));
-        for (int64_t t = 0; t < n; ++t) p[t] /= total;
       }
 """
 
 
 DECODE_VALUES = r"""
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t0 = 0; t0 < n; t0 += block_size) {  // the same rows again, for the values
+      for (int64_t head = 0; head < num_heads; ++head) {  // exponentials of each head's scores, in place
+        float* p = scores.data() + head * n;
+        const float top = *std::max_element(p, p + n);
+        float total = 0.f;
+        #pragma omp simd reduction(+:total)  // with -ffast-math: the vector exp of glibc's libmvec
+        for (int64_t t = 0; t < n; ++t) total += (p[t] = std::exp(p[t] - top));
+        tops[item * num_heads + head] = top, totals[item * num_heads + head] = total;
+      }
+      float* acc = sums.data() + item * num_heads * dim;
+      for (int64_t t0 = first_t; t0 < end_t; t0 += block_size) {  // the same rows again, for the values
         const auto* v = V + int64_t(T[s * width + t0 / block_size]) * block_size * row;
-        for (int64_t t = t0; t < std::min(n, t0 + block_size); ++t, v += row)
+        for (int64_t t = t0; t < std::min(end_t, t0 + block_size); ++t, v += row)
           for (int64_t head = 0; head < num_heads; ++head) {
-            const float p = scores[head * n + t];
+            const float p = scores[head * n + t - first_t];
             const auto* vh = v + (head / group) * dim;
-            float* a = acc.data() + head * dim;
+            float* a = acc + head * dim;
             #pragma omp simd
             for (int64_t d = 0; d < dim; ++d) a[d] += p * widen(vh[d]);
           }
       }
-      std::copy(acc.begin(), acc.end(), O + s * num_heads * dim);
     }
   });
   };
@@ -112,7 +124,59 @@ DECODE_VALUES = r"""
     attend(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
   else
     attend(k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>());
+"""
+
+
+DECODE_MERGE = r"""
+  // out = the items' sums of values over their totals, each item's rescaled to the sequence's largest score:
+  // exp(score - top) = exp(score - item_top) * exp(item_top - top). One item per sequence: out = sums / total.
+  at::parallel_for(0, num_seqs * num_heads, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t sh = begin; sh < end; ++sh) {
+      const int64_t s = sh / num_heads, head = sh % num_heads;
+      auto at = [&](int64_t part) { return (s * parts + part) * num_heads + head; };
+      float top = std::numeric_limits<float>::lowest(), total = 0.f;
+      for (int64_t part = 0; part < parts; ++part) if (totals[at(part)] > 0.f) top = std::max(top, tops[at(part)]);
+      float* o = O + sh * dim;
+      std::fill(o, o + dim, 0.f);
+      for (int64_t part = 0; part < parts; ++part) {
+        if (totals[at(part)] == 0.f) continue;  // an empty run
+        const float weight = std::exp(tops[at(part)] - top);
+        const float* a = sums.data() + at(part) * dim;
+        total += weight * totals[at(part)];
+        for (int64_t d = 0; d < dim; ++d) o[d] += weight * a[d];
+      }
+      for (int64_t d = 0; d < dim; ++d) o[d] /= total;
+    }
+  });
   return out.to(q.scalar_type());  // no copy when q is float32
+}
+"""
+
+
+KV_WRITE = r"""
+// Chapter 5's write_kv in one call: the caches [blocks, block_size, kv_heads, head_dim] seen as one row per slot,
+// row slots[i] = k[i] and v[i] (this step's keys and values), one memcpy each
+void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slots) {
+  const auto dtype = k_cache.scalar_type();
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+              v_cache.scalar_type() == dtype && k.scalar_type() == dtype && v.scalar_type() == dtype,
+              "write_kv: the caches must be contiguous and alike, k and v of their dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1, "write_kv: slots must be int64 [tokens]");
+  for (const auto& x : {k, v})
+    TORCH_CHECK(x.dim() == 3 && x.size(0) == slots.size(0) && x.size(1) == k_cache.size(2) &&
+                x.size(2) == k_cache.size(3), "write_kv: k and v must be [tokens, kv_heads, head_dim]");
+  auto kc = k.contiguous(), vc = v.contiguous(), sc = slots.contiguous();
+  const int64_t* S = sc.data_ptr<int64_t>();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t bytes = k_cache.size(2) * k_cache.size(3) * k.element_size();  // one token's row
+  for (int64_t i = 0; i < sc.numel(); ++i)  // never write outside the cache, whatever the caller passes
+    TORCH_CHECK(S[i] >= 0 && S[i] < num_slots, "write_kv: slot ", S[i], " is outside the cache");
+  char *K = static_cast<char*>(k_cache.data_ptr()), *V = static_cast<char*>(v_cache.data_ptr());
+  const char *k_rows = static_cast<const char*>(kc.data_ptr()), *v_rows = static_cast<const char*>(vc.data_ptr());
+  for (int64_t i = 0; i < sc.numel(); ++i) {
+    std::memcpy(K + S[i] * bytes, k_rows + i * bytes, bytes);
+    std::memcpy(V + S[i] * bytes, v_rows + i * bytes, bytes);
+  }
 }
 """
 
@@ -148,9 +212,9 @@ def build_extension(name: str, sources: str, functions: list[str], extra_cflags:
 
 @functools.cache
 def load_cpu_attention():
-    """The compiled kernel module (its `paged_decode`)."""
-    return build_extension("minivllm_cpu_attention", DECODE_SETUP + DECODE_SCORES + DECODE_VALUES,
-                           ["paged_decode"], ("-ffast-math",))
+    """The compiled kernel module (its `paged_decode` and `write_kv`)."""
+    source = DECODE_SETUP + DECODE_ITEMS + DECODE_SCORES + DECODE_VALUES + DECODE_MERGE + KV_WRITE
+    return build_extension("minivllm_cpu_attention", source, ["paged_decode", "write_kv"], ("-ffast-math",))
 
 
 NO_CPU_KERNEL = ("attention backend 'cpu' needs its C++ kernel, which did not build: a C++ compiler (g++) and "
@@ -173,3 +237,11 @@ def cpu_attention_available() -> bool:  # without it, the engine falls back to t
 def paged_decode_cpu(q, k_cache, v_cache, block_tables, seq_lens):
     """Decode attention on a CPU: q [seqs, heads, head_dim], caches [blocks, block_size, kv_heads, head_dim]."""
     return load_cpu_attention().paged_decode(q, k_cache, v_cache, block_tables, seq_lens, q.shape[-1] ** -0.5)
+
+
+def write_kv_cpu(kv_cache, layer, k, v, slot_mapping):
+    """Chapter 5's write_kv in one C++ call: k and v [tokens, kv_heads, head_dim] into their slots of the layer's
+    caches, which it returns."""
+    k_cache, v_cache = kv_cache.layer(layer)
+    load_cpu_attention().write_kv(k_cache, v_cache, k, v, slot_mapping)
+    return k_cache, v_cache

@@ -202,3 +202,11 @@ def test_int8_logits_are_within_the_bound_of_fp32(checkpoints):
 
 def test_int8_greedy_follows_fp32_transformers_up_to_a_near_tie(capsys):
     assert_greedy_follows_fp32_up_to_a_near_tie(book_greedy_runs(LLM(quantization=INT8)), capsys)
+
+
+def test_int8_linear_takes_activations_of_any_leading_shape():
+    layer = Int8Linear(nn.Linear(48, 20, bias=True))
+    x = torch.randn(2, 3, 48)
+    flat = layer(x.reshape(6, 48))
+    assert flat.shape == (6, 20)
+    assert torch.equal(layer(x), flat.view(2, 3, 20)) and torch.equal(layer(x[0, 0]), flat[0])

@@ -210,3 +210,10 @@ def test_int8_linear_takes_activations_of_any_leading_shape():
     flat = layer(x.reshape(6, 48))
     assert flat.shape == (6, 20)
     assert torch.equal(layer(x), flat.view(2, 3, 20)) and torch.equal(layer(x[0, 0]), flat[0])
+
+
+def test_int8_linear_runs_its_hooks_once_per_call_whatever_the_shape():
+    layer, calls = Int8Linear(nn.Linear(16, 8)), []
+    layer.register_forward_hook(lambda module, args, out: calls.append(out.shape))
+    layer(torch.randn(2, 3, 16))
+    assert calls == [(2, 3, 8)]

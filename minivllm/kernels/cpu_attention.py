@@ -134,7 +134,7 @@ DECODE_MERGE = r"""
     for (int64_t sh = begin; sh < end; ++sh) {
       const int64_t s = sh / num_heads, head = sh % num_heads;
       auto at = [&](int64_t part) { return (s * parts + part) * num_heads + head; };
-      float top = std::numeric_limits<float>::lowest(), total = 0.f;
+      float top = tops[at(parts - 1)], total = 0.f;  // the last run is never empty: it ends the sequence
       for (int64_t part = 0; part < parts; ++part) if (totals[at(part)] > 0.f) top = std::max(top, tops[at(part)]);
       float* o = O + sh * dim;
       std::fill(o, o + dim, 0.f);

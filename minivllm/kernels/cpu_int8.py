@@ -163,7 +163,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:  # the engine's activations are [tokens, features] already: no reshape per call
-            return self(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+            return self.forward(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
         out = load_cpu_int8().gemv_int8(x, self.q, self.scale)
         return out if self.bias is None else out + self.bias
 

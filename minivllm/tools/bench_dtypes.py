@@ -8,8 +8,7 @@ rows where this CPU has AVX2 with FMA (or, in bfloat16, AVX-512 BF16; each row c
 `gemv_linear_layers`); one more row, "float32 torch matmul" at batch 1, is float32 with `cpu_gemv="off"`: every
 product in torch's linear, the engine before the GEMV; and "int8 weights" is float32 with
 `quantization="int8_per_channel_weight_only"` (chapter 8b's last section: int8 rows, fp32 activations
-rounded per row to int16 for VNNI products), at both
-batch sizes.
+rounded per row to int16 for VNNI products), at both batch sizes.
 Two fractions say how near the limits a row is:
 
 - batch 1 against memory bandwidth: a decode step reads every weight once and the cached keys and values of its

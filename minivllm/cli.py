@@ -2,7 +2,7 @@
 
     python -m minivllm generate "ROMEO:" --max-tokens 50
     python -m minivllm generate "ROMEO:" --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
-    python -m minivllm serve [--port 8000] [--api-key KEY]    # an OpenAI-compatible server (chapter 10)
+    python -m minivllm serve [MODEL] [--port 8000] [--api-key KEY]    # an OpenAI-compatible server (chapter 10)
     python -m minivllm serve --data-parallel-size 2 --router prefix-aware   # replicas behind a router (chapter 12)
     python -m minivllm bench [--num-prompts 64 ...]
     python -m minivllm explain-cache A.txt B.txt [--block-size 16]   # what B would reuse from A's cache
@@ -41,26 +41,37 @@ def generate(args) -> int:
     return 0
 
 
+def served_names(args) -> tuple[list[str], str]:
+    """vLLM's naming: the served names are --served-model-name's (the first one in responses), else the model
+    argument as given; the model cards' `root` is the model argument (the embedded model's folder without one)."""
+    from minivllm.model.loader import DEFAULT_MODEL
+
+    names = args.served_model_name or [args.model or "minivllm"]
+    return names, args.model or str(DEFAULT_MODEL)
+
+
 def serve(args) -> int:
-    import os
+    import logging
 
     from minivllm import LLM
     from minivllm.entrypoints.openai.launcher import run_server
 
-    api_key = args.api_key or os.environ.get("MINIVLLM_API_KEY") or None
+    # as vLLM: --api-key, else $VLLM_API_KEY (and minivllm's own $MINIVLLM_API_KEY before it)
+    api_key = args.api_key or os.environ.get("MINIVLLM_API_KEY") or os.environ.get("VLLM_API_KEY") or None
+    names, model_path = served_names(args)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")  # the 4xx lines
     if args.data_parallel_size > 1:  # chapter 12: replica processes behind a router
         from minivllm.entrypoints.openai.dp_server import run_dp_server
 
         llm_kwargs = EngineArgs.from_cli_args(args).llm_kwargs()
         try:
-            run_dp_server(args.data_parallel_size, args.router, llm_kwargs, args.host, args.port,
-                          args.served_model_name, api_key)
+            run_dp_server(args.data_parallel_size, args.router, llm_kwargs, args.host, args.port, names, api_key)
         except KeyboardInterrupt:
             pass
         return 0
     llm = LLM(**EngineArgs.from_cli_args(args).llm_kwargs())
     try:
-        run_server(llm, args.host, args.port, args.served_model_name, api_key=api_key,
+        run_server(llm, args.host, args.port, names, api_key=api_key, model_path=model_path,
                    access_log=not args.disable_uvicorn_access_log)
     except KeyboardInterrupt:
         pass
@@ -157,12 +168,16 @@ def main(argv=None) -> int:
     gen.add_argument("--stop", action="append", default=[])
     EngineArgs.add_cli_args(gen)
     server = sub.add_parser("serve", help="an OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions")
+    server.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model, as vLLM's `vllm serve MODEL` (the same as --model, which it overrides)")
     server.add_argument("--host", default="127.0.0.1")
     server.add_argument("--port", type=bounded_int(0, 65535), default=8000, help="0: any free port (printed)")
-    server.add_argument("--served-model-name", default="minivllm", help="the name clients pass as `model`")
+    server.add_argument("--served-model-name", nargs="+", default=None,
+                        help="the names clients pass as `model` (the first in responses and metrics; default: the "
+                             "model argument, or 'minivllm' for the embedded model)")
     server.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on every path but /health, /metrics included "
-                             "(default: $MINIVLLM_API_KEY, else none)")
+                        help="require 'Authorization: Bearer KEY' on every path but /health and /ping, /metrics "
+                             "included (default: $MINIVLLM_API_KEY, else $VLLM_API_KEY, else none)")
     server.add_argument("--disable-uvicorn-access-log", action="store_true", help="no line per request on stdout")
     server.add_argument("--data-parallel-size", "-dp", type=bounded_int(1), default=1,
                         help="engine replicas, each in its own process, behind one endpoint (chapter 12)")
@@ -180,6 +195,10 @@ def main(argv=None) -> int:
     explain.add_argument("--salt-b", default=None)
     explain.add_argument("--model", default=None)
     args = parser.parse_args(argv)
+    if getattr(args, "model_tag", None) is not None:  # as vLLM: the positional model takes precedence
+        args.model = args.model_tag
+    if args.command == "serve" and args.served_model_name is not None and not all(args.served_model_name):
+        server.error("argument --served-model-name: an empty name")
     command_parser = {"generate": gen, "serve": server, "explain-cache": explain}.get(args.command, parser)
     if args.command in ("generate", "serve"):
         EngineArgs.from_cli_args(args).check(command_parser)

@@ -607,7 +607,7 @@ def test_a_slow_body_and_too_many_connections_get_a_4xx_and_a_503():
 
 
 FIELDS = {  # every request field, with values of a wrong type or out of range
-    "prompt": [None, 7, 1.5, True, {}, [], [[1]], [-1], [2**40], ["a"], [1, "a"], [True]],
+    "prompt": [None, 7, 1.5, True, {}, [], [[]], [[1], ["a"]], [[-1]], [["a"]], [-1], [2**40], [1, "a"], [True]],
     "max_tokens": [0, -1, 2**31, 2**64, 1.5, "1", True, [], {}],
     "n": [0, -1, MAX_N + 1, 2**63, 1.5, "1", True, "x", [1]],
     "temperature": [-1, -1e-9, "0", True, [], {}, "nan"],
@@ -624,7 +624,7 @@ FIELDS = {  # every request field, with values of a wrong type or out of range
     "stream_options": [True, "x", [1], {"include_usage": "yes"}, {"include_usage": 1}, {"unknown": True}],
     "cache_salt": ["", 5, [1, 2], {"a": 1}, True, "s" * 1025],
     "logprobs": [-1, 21, 2**64, 1.5, "2", True],
-    "model": [5, ["minivllm"], "gpt-4", ""],
+    "model": [5, ["minivllm"], "gpt-4"],  # "" is the served model, as in vLLM
     "user": [5, {}],
     "echo": [True],
     "presence_penalty": [3, -2.5, "0.5", True, [0.5]],

@@ -5,20 +5,26 @@ teaches the engine loop (`minivllm/engine/async_llm.py`) and streaming with hold
 
 Endpoints:
 
-    POST /v1/completions        OpenAI's completions, streamed (server-sent events) or not
+    POST /v1/completions        OpenAI's completions, streamed (server-sent events) or not; `prompt` is a text,
+                                token ids, or a list of either (prompts x n choices, prompt i's choice j at i*n+j)
     POST /v1/chat/completions   OpenAI's chat completions, through the model's chat template
-    GET  /v1/models             the one served model
+    GET  /v1/models             vLLM's model cards, one per served name (`root`: the model loaded)
     POST /tokenize, /detokenize as vLLM's
-    GET  /health                200 while the server serves; never needs the API key
+    GET  /health, /ping         200 while the server serves; never need the API key
+    GET  /version               {"version": minivllm's}
     GET  /metrics               Prometheus text format (minivllm/entrypoints/openai/metrics.py)
 
 GET routes answer HEAD too; OPTIONS answers with the allowed methods (and CORS preflights, as vLLM's).
 Supported request fields: `n`, `temperature`, `top_p`, `top_k`, `min_p`, `seed`, `max_tokens`
 (`max_completion_tokens` in chat), `presence_penalty`, `frequency_penalty`, `repetition_penalty`, `min_tokens`,
-`stop`, `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output`,
-`skip_special_tokens`, `logprobs` (completions: 0 to 20 alternatives; chat: true, with `top_logprobs` 0 to
-20), `cache_salt`, `stream`, `stream_options.include_usage`, `user` (ignored). Any other field is a 400
-naming it. `usage.prompt_tokens_details.cached_tokens` reports the prompt tokens served from the prefix cache.
+`stop`, `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output`, `skip_special_tokens`,
+`add_special_tokens` (completions), `add_generation_prompt` (chat), `logprobs` (completions: 0 to 20
+alternatives; chat: true, with `top_logprobs` 0 to 20), `cache_salt`, `stream`, `stream_options`
+(`include_usage`, and `continuous_usage_stats`: usage in every chunk), `user` (ignored). OpenAI's and vLLM's
+other fields are accepted at a value that asks for nothing (`echo: false`, `tools: null`, ...; the list is
+`VLLMNoOps` in protocol.py) and refused by name otherwise; an unknown field is a 400 naming it. Choices carry
+vLLM's `stop_reason`; `usage.prompt_tokens_details.cached_tokens` reports the prompt tokens served from the
+prefix cache. Each 4xx is logged with the field it names (logger `minivllm.entrypoints.openai`).
 
 Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`; a 4xx names the field in
 `param` where there is one. A request never reaches the engine unless it is valid.
@@ -40,7 +46,7 @@ oracle for other tenants' prompts (chapter 10). vLLM protects only `/v1/*`.
 | connections + requests in progress | 1,000 (uvicorn's `limit_concurrency`) | 503 |
 | prompt | shorter than the engine's `max_model_len` tokens; token ids in the vocabulary | 400 |
 | `n`, `stop` (number and length), `stop_token_ids`, `max_tokens`, `seed`, `top_k`, ... | `SamplingParams`' own bounds (minivllm/sampling_checks.py) | 400 |
-| `n` x `max_tokens` (`max_tokens` unset: the rest of the context) | 32,768 tokens per request (`max_tokens_per_request`) | 400 naming `n` (or `max_tokens` when n = 1) |
+| prompts x `n` x `max_tokens` (`max_tokens` unset: the rest of the context) | 32,768 tokens per request (`max_tokens_per_request`) | 400 naming `prompt` for a batch, else `n` (`max_tokens` when n = 1) |
 | `logprobs`, `top_logprobs` | 0 to 20 | 400 |
 | `cache_salt` | 1 to 1,024 characters | 400 |
 | JSON | pydantic's parser: nesting of 200 levels at most, integers of 4,300 digits at most, valid UTF-8 and no lone surrogates | 400 |
@@ -52,7 +58,6 @@ frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -64,13 +69,16 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from minivllm import __version__
 from minivllm.engine.async_llm import AsyncLLM
 from minivllm.entrypoints.chat import render_chat_template
-from minivllm.entrypoints.openai.guards import GuardMiddleware, Limits, error_response, read_body, until_disconnect
+from minivllm.entrypoints.openai.guards import (GuardMiddleware, Limits, error_response, log_refusal, read_body,
+                                               until_disconnect)
 from minivllm.entrypoints.openai.metrics import ServerMetrics
 from minivllm.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                                   DetokenizeRequest, TokenizeRequest, error_body,
                                                   parse, to_sampling_params)
+from minivllm.entrypoints.openai.responses import Responses, event, merged, running_usage, usage
 from minivllm.entrypoints.openai_server import stream_deltas
 
 
@@ -83,34 +91,41 @@ def engine_param(message: str, chat: bool) -> str:
     return "messages" if chat else "prompt"
 
 
-def check_request_tokens(params, prompt_len: int, max_model_len: int, limits: Limits) -> None:
-    """A server-wide cap on what one request may generate: n x max_tokens (max_tokens None: the rest of the
-    context), so that no single request holds the engine for everyone else (issue 29's n = 512 x 400)."""
-    tokens = params.max_tokens if params.max_tokens is not None else max(1, max_model_len - prompt_len)
-    if params.n * tokens > limits.max_tokens_per_request:
-        raise APIError(400, f"n x max_tokens = {params.n} x {tokens} = {params.n * tokens} tokens: this server "
-                            f"generates at most {limits.max_tokens_per_request} per request", "n" if params.n > 1
-                       else "max_tokens")
+def check_request_tokens(params, prompt_lens: list[int], max_model_len: int, limits: Limits) -> None:
+    """A server-wide cap on what one request may generate: prompts x n x max_tokens (max_tokens None: the rest
+    of the context), so that no single request holds the engine for everyone else (issue 29's n = 512 x 400)."""
+    total = sum(params.n * (params.max_tokens if params.max_tokens is not None else max(1, max_model_len - length))
+                for length in prompt_lens)
+    if total > limits.max_tokens_per_request:
+        what = (f"{len(prompt_lens)} prompts x n = {params.n} x max_tokens" if len(prompt_lens) > 1
+                else f"n x max_tokens = {params.n} x {total // params.n}")
+        raise APIError(400, f"{what} = {total} tokens: this server generates at most "
+                            f"{limits.max_tokens_per_request} per request",
+                       "prompt" if len(prompt_lens) > 1 else "n" if params.n > 1 else "max_tokens")
 
 
 class OpenAIServing:
     """The route handlers."""
 
-    def __init__(self, llm, model_name: str, limits: Limits):
+    def __init__(self, llm, model_names: list[str], limits: Limits, model_path: str | None = None):
         self.engine = AsyncLLM(llm)
-        self.tokenizer, self.model_name, self.limits = llm.tokenizer, model_name, limits
+        self.tokenizer, self.model_names, self.limits = llm.tokenizer, model_names, limits
+        self.model_name, self.model_path = model_names[0], model_path or model_names[0]
         self.max_model_len = llm.engine.config.max_model_len
         self.vocab_size = llm.engine.model.config.vocab_size
-        self.metrics = ServerMetrics(self.engine)
+        self.metrics = ServerMetrics(self.engine, self.model_name)
+        self.responses = Responses(self.tokenizer)
+        self.started = int(time.time())
         self.cpu = ThreadPoolExecutor(2, thread_name_prefix="minivllm-tokenize")  # off the event loop
-        self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs
 
     async def off_loop(self, function, *args):
         return await asyncio.get_running_loop().run_in_executor(self.cpu, function, *args)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server has {self.model_name!r}", "model")
+        """As vLLM: no model (or an empty one) is the served model; any of the served names is too."""
+        if model and model not in self.model_names:
+            raise APIError(404, f"the model {model!r} does not exist; this server has "
+                                f"{', '.join(map(repr, self.model_names))}", "model")
 
     def need_tokenizer(self, param: str, chat: bool = False) -> None:
         if self.tokenizer is None or (chat and not self.tokenizer.chat_template):
@@ -132,143 +147,142 @@ class OpenAIServing:
     async def completions(self, raw: Request):
         request = parse(CompletionRequest, await read_body(raw, self.limits))
         self.check_model(request.model)
-        if isinstance(request.prompt, str):
+        prompts = request.prompts()
+        if not prompts:
+            raise APIError(400, "prompt: an empty list", "prompt")
+        if any(isinstance(p, str) for p in prompts):
             self.need_tokenizer("prompt")
-            token_ids, text = await self.off_loop(self.encode, request.prompt), request.prompt
-        else:
-            token_ids, text = request.prompt, None
-        return await until_disconnect(raw, self.generate(request, token_ids, text, chat=False))
+        encode = lambda text: self.encode(text, request.add_special_tokens)  # noqa: E731
+        batch = [(await self.off_loop(encode, p), p) if isinstance(p, str) else (p, None) for p in prompts]
+        return await until_disconnect(raw, self.generate(request, batch, chat=False))
 
     async def chat(self, raw: Request):
         request = parse(ChatCompletionRequest, await read_body(raw, self.limits))
         self.check_model(request.model)
         self.need_tokenizer("messages", chat=True)
-        text = await self.off_loop(self.render_chat, request.messages)
+        text = await self.off_loop(self.render_chat, request.messages, request.add_generation_prompt)
         token_ids = await self.off_loop(self.encode, text, False)
-        return await until_disconnect(raw, self.generate(request, token_ids, text, chat=True))
+        return await until_disconnect(raw, self.generate(request, [(token_ids, text)], chat=True))
 
-    async def generate(self, request, token_ids: list[int], prompt: str | None, chat: bool):
+    async def generate(self, request, prompts: list[tuple[list[int], str | None]], chat: bool):
+        """Each prompt a request of the engine; the answer has prompts x n choices, prompt i's choice j at
+        index i * n + j. Every prompt is checked before any reaches the engine."""
         params = to_sampling_params(request)
-        check_request_tokens(params, len(token_ids), self.max_model_len, self.limits)
+        check_request_tokens(params, [len(ids) for ids, _ in prompts], self.max_model_len, self.limits)
+        for i, (token_ids, _) in enumerate(prompts):
+            try:
+                self.engine.engine.validate("check", token_ids, params, request.cache_salt)
+            except ValueError as error:
+                where = f"prompt {i}: " if len(prompts) > 1 else ""
+                raise APIError(400, where + str(error), engine_param(str(error), chat)) from None
         arrival = time.perf_counter()
-        outputs = self.engine.generate(token_ids, params, prompt, request.cache_salt)
-        try:
-            first = await anext(outputs)
-        except ValueError as error:  # the engine's checks, before any work
-            raise APIError(400, str(error), engine_param(str(error), chat)) from None
-        except RuntimeError as error:
-            raise APIError(500, str(error)) from None
-        first_time = time.perf_counter()
-        self.metrics.ttft.observe(first_time - arrival)
+        streams = [self.engine.generate(ids, params, text, request.cache_salt) for ids, text in prompts]
+        firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+        failed = next((f for f in firsts if isinstance(f, BaseException)), None)
+        if failed is not None:
+            for stream in streams:
+                await stream.aclose()
+            if isinstance(failed, ValueError):  # the engine's checks, before any work
+                raise APIError(400, str(failed), engine_param(str(failed), chat)) from None
+            if isinstance(failed, RuntimeError):
+                raise APIError(500, str(failed)) from None
+            raise failed
         header = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                   "model": self.model_name}
-        timed = self.timed(first, outputs)
+        timed = [self.timed(first, stream, arrival) for first, stream in zip(firsts, streams)]
         if request.stream:
-            events = self.sse(header, chat, timed, params, request, (arrival, first_time))
+            events = self.sse(header, chat, timed, params, request)
             return ClosingStreamingResponse(events, media_type="text/event-stream",
                                             headers={"Cache-Control": "no-cache"})
-        async with aclosing(timed):
+        finals = list(firsts)
+        async with aclosing(merged(timed)) as outputs:
             try:
-                async for final in timed:
-                    pass
+                async for i, output in outputs:
+                    finals[i] = output
             except RuntimeError as error:  # a step failed this request
                 raise APIError(500, str(error)) from None
-        self.metrics.finished(final, arrival, first_time, time.perf_counter())
 
         def answer():  # off the event loop: with n choices and logprobs, this can be a large body
-            choices = [self.choice(c, chat, c.text, c.token_ids, c.logprobs, request, 0)
-                       | {"finish_reason": c.finish_reason} for c in final.outputs]
+            choices = [self.responses.choice(i * params.n + c.index, chat, False, c.text, c.token_ids, c.logprobs, 0)
+                       | {"finish_reason": c.finish_reason, "stop_reason": self.responses.stop_reason(c, params)}
+                       for i, final in enumerate(finals) for c in final.outputs]
             return JSONResponse({**header, "object": "chat.completion" if chat else "text_completion",
-                                 "choices": choices, "usage": usage(final)})
+                                 "choices": choices, "usage": usage(finals)})
 
         return await self.off_loop(answer)
 
-    async def timed(self, first, outputs):
-        """The request's outputs, the first one included, timing the gaps between them (one step each)."""
+    async def timed(self, first, outputs, arrival: float):
+        """A request's outputs, the first one included, timing them: TTFT, the gaps between outputs (one step
+        each), and the request's end-to-end latency once it finishes."""
         async with aclosing(outputs):
-            yield first
-            last = time.perf_counter()
-            async for output in outputs:
+            first_time = last = time.perf_counter()
+            self.metrics.ttft.observe(first_time - arrival)
+            output = first
+            while True:
+                if output.finished:
+                    self.metrics.finished(output, arrival, first_time, time.perf_counter())
+                yield output
+                try:
+                    output = await anext(outputs)
+                except StopAsyncIteration:
+                    return
                 now = time.perf_counter()
                 self.metrics.itl.observe(now - last)
                 last = now
-                yield output
 
-    async def sse(self, header, chat: bool, outputs, params, request, times):
+    async def sse(self, header, chat: bool, streams, params, request):
         """Server-sent events: one per piece of a choice's text, then usage if asked, then [DONE]."""
         kind = "chat.completion.chunk" if chat else "text_completion"
-        if chat:  # OpenAI's chat stream opens with the assistant's role
-            for i in range(params.n):
-                yield event({**header, "object": kind, "choices": [
-                    {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                     "finish_reason": None}]})
-        offsets = [0] * params.n  # characters of token text so far, per choice (completions' text_offset)
-        final = None
+        n, options = params.n, request.stream_options
+        include_usage = options is not None and bool(options.include_usage)
+        continuous = include_usage and bool(options.continuous_usage_stats)  # as vLLM: only with include_usage
+        prompt_tokens = [0] * len(streams)
+        tokens = [0] * (n * len(streams))  # tokens sent so far, per choice
+        offsets = [0] * (n * len(streams))  # characters of token text so far, per choice (completions' text_offset)
+        finals = [None] * len(streams)
+        deltas = [stream_deltas(stream, params.stop_strings) for stream in streams]
         try:
-            async with aclosing(outputs), aclosing(stream_deltas(outputs, params.stop_strings)) as deltas:
-                async for final, pieces in deltas:
-                    for piece in pieces:
-                        choice = self.choice(piece, chat, piece.text, piece.token_ids, piece.logprobs, request,
-                                             offsets[piece.index])
+            async with aclosing(merged(deltas)) as pieces:
+                async for i, (output, delta) in pieces:
+                    if finals[i] is None and chat:  # OpenAI's chat stream opens with the assistant's role
+                        for j in range(n):
+                            chunk = {**header, "object": kind, "choices": [{"index": j, "delta": {
+                                "role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
+                            yield event(chunk | ({"usage": running_usage(len(output.prompt_token_ids), 0)}
+                                                 if continuous else {}))
+                    finals[i], prompt_tokens[i] = output, len(output.prompt_token_ids)
+                    for piece in delta:
+                        index = i * n + piece.index
+                        choice = self.responses.choice(index, chat, True, piece.text, piece.token_ids,
+                                                       piece.logprobs, offsets[index])
+                        tokens[index] += len(piece.token_ids)
                         if piece.logprobs is not None:
-                            offsets[piece.index] += sum(len(self.token_text(t)) for t in piece.token_ids)
-                        yield event({**header, "object": kind, "choices": [
-                            {"index": piece.index, **choice, "finish_reason": piece.finish_reason}]})
+                            offsets[index] += sum(len(self.responses.token_text(t)) for t in piece.token_ids)
+                        completion = output.outputs[[c.index for c in output.outputs].index(piece.index)]
+                        stop = None if piece.finish_reason is None else self.responses.stop_reason(completion, params)
+                        chunk = {**header, "object": kind, "choices": [
+                            choice | {"finish_reason": piece.finish_reason, "stop_reason": stop}]}
+                        yield event(chunk | ({"usage": running_usage(prompt_tokens[i], tokens[index])}
+                                             if continuous else {}))
         except RuntimeError as error:  # the engine failed this request after the stream began: say so in it
             yield event(error_body(500, str(error)))
-            final = None
-        if final is not None:
-            self.metrics.finished(final, times[0], times[1], time.perf_counter())
-            if request.stream_options is not None and request.stream_options.include_usage:
-                yield event({**header, "object": kind, "choices": [], "usage": usage(final)})
+            finals = [None]
+        if include_usage and all(f is not None for f in finals):
+            yield event({**header, "object": kind, "choices": [], "usage": usage(finals)})
         yield "data: [DONE]\n\n"
-
-    # ------------------------------------------------------------------ response pieces
-    def choice(self, completion, chat: bool, text: str, token_ids, logprobs, request, offset: int) -> dict:
-        streaming = bool(request.stream)
-        if chat:
-            body = {"delta": {"content": text}} if streaming else {"message": {"role": "assistant", "content": text}}
-        else:
-            body = {"text": text}
-        body["index"] = completion.index
-        body["logprobs"] = None if logprobs is None else (
-            self.chat_logprobs(token_ids, logprobs) if chat else self.completion_logprobs(token_ids, logprobs, offset))
-        return body
-
-    def token_text(self, token_id: int) -> str:
-        text = self._token_texts.get(token_id)
-        if text is None:
-            text = f"token_id:{token_id}" if self.tokenizer is None else self.tokenizer.decode([token_id])
-            self._token_texts[token_id] = text  # at most the vocabulary
-        return text
-
-    def completion_logprobs(self, token_ids, logprobs, offset: int) -> dict:
-        """The legacy completions format: tokens, token_logprobs, top_logprobs, text_offset."""
-        tokens = [self.token_text(t) for t in token_ids]
-        offsets = []
-        for token in tokens:
-            offsets.append(offset)
-            offset += len(token)
-        top = []
-        for token_id, (chosen, alternatives) in zip(token_ids, logprobs):
-            entry = {self.token_text(t): lp for t, lp in alternatives}
-            entry.setdefault(self.token_text(token_id), chosen)  # the sampled token, as vLLM adds it
-            top.append(entry)
-        return {"tokens": tokens, "token_logprobs": [chosen for chosen, _ in logprobs], "top_logprobs": top,
-                "text_offset": offsets}
-
-    def chat_logprobs(self, token_ids, logprobs) -> dict:
-        def item(token_id, logprob):
-            text = self.token_text(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
-
-        return {"content": [item(t, chosen) | {"top_logprobs": [item(a, lp) for a, lp in alternatives]}
-                            for t, (chosen, alternatives) in zip(token_ids, logprobs)]}
 
     # ------------------------------------------------------------------ the rest of vLLM's endpoints
     async def models(self):
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                            "owned_by": "minivllm", "max_model_len": self.max_model_len}]}
+        """vLLM's model cards (`ModelCard`, vllm/entrypoints/serve/engine/protocol.py): one per served name,
+        `root` the model it was loaded from; `vllm bench serve` reads `root` when it is given no --model."""
+        permission = {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": self.started,
+                      "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                      "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                      "organization": "*", "group": None, "is_blocking": False}
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": self.started, "owned_by": "minivllm", "root": self.model_path,
+             "parent": None, "max_model_len": self.max_model_len, "permission": [permission]}
+            for name in self.model_names]}
 
     async def tokenize(self, raw: Request):
         request = parse(TokenizeRequest, await read_body(raw, self.limits))
@@ -284,7 +298,7 @@ class OpenAIServing:
             text, special = request.prompt, request.add_special_tokens is not False
         ids = await self.off_loop(self.encode, text, special)
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
-                "token_strs": [self.token_text(t) for t in ids] if request.return_token_strs else None}
+                "token_strs": [self.responses.token_text(t) for t in ids] if request.return_token_strs else None}
 
     async def detokenize(self, raw: Request):
         request = parse(DetokenizeRequest, await read_body(raw, self.limits))
@@ -308,20 +322,15 @@ class ClosingStreamingResponse(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-def event(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-def usage(output) -> dict:
-    completion = sum(len(c.token_ids) for c in output.outputs)
-    return {"prompt_tokens": len(output.prompt_token_ids), "completion_tokens": completion,
-            "total_tokens": len(output.prompt_token_ids) + completion,
-            "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens}}
-
-
-def build_app(llm, model_name: str = "minivllm", api_key: str | None = None, limits: Limits = Limits()) -> FastAPI:
-    """The FastAPI app serving `llm` (an `LLM`); `app.state.serving.engine` is its AsyncLLM."""
-    serving = OpenAIServing(llm, model_name, limits)
+def build_app(llm, model_name: str | list[str] = "minivllm", api_key: str | None = None, limits: Limits = Limits(),
+              model_path: str | None = None) -> FastAPI:
+    """The FastAPI app serving `llm` (an `LLM`) under `model_name` (one name or several, as vLLM's
+    --served-model-name: the first is the one responses carry); `model_path` is the cards' `root` (default:
+    the first name). `app.state.serving.engine` is its AsyncLLM."""
+    names = [model_name] if isinstance(model_name, str) else list(model_name)
+    if not names or not all(names):
+        raise ValueError(f"model_name: {model_name!r}: one or more non-empty names")
+    serving = OpenAIServing(llm, names, limits, model_path)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -340,25 +349,33 @@ def build_app(llm, model_name: str = "minivllm", api_key: str | None = None, lim
     async def health():
         return Response(status_code=200)
 
+    async def version():
+        return {"version": __version__}
+
     async def metrics():
         body, content_type = serving.metrics.render()
         return Response(body, media_type=content_type)
 
     app.add_api_route("/health", health, methods=["GET", "HEAD"])
     app.add_api_route("/metrics", metrics, methods=["GET", "HEAD"])
+    app.add_api_route("/ping", health, methods=["GET", "POST"])  # vLLM's (SageMaker's) health check
+    app.add_api_route("/version", version, methods=["GET"])
 
     @app.exception_handler(APIError)
     async def api_error(request, error: APIError):
+        log_refusal(request, error.status, error.message, error.param)
         return error_response(error.status, error.message, error.param)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, error: StarletteHTTPException):
         message = {404: f"no route {request.url.path}", 405: f"{request.url.path} does not take {request.method}"}
-        return error_response(error.status_code, message.get(error.status_code, str(error.detail)),
-                              headers=getattr(error, "headers", None))
+        message = message.get(error.status_code, str(error.detail))
+        log_refusal(request, error.status_code, message, None)
+        return error_response(error.status_code, message, headers=getattr(error, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request, error: RequestValidationError):
+        log_refusal(request, 400, str(error), None)
         return error_response(400, str(error))
 
     @app.exception_handler(Exception)

@@ -152,7 +152,8 @@ def run_dp_server(size: int, policy: str, llm_kwargs: dict, host: str = "127.0.0
         app = build_router_app(replicas.urls, policy, tokenizer, llm_kwargs.get("block_size", 16), api_key, limits,
                                dev_mode)
         sock = bind(host, port)
-        print(f"minivllm serving {model_name!r} on http://{host}:{sock.getsockname()[1]}/v1 with {size} replicas "
+        names = model_name if isinstance(model_name, str) else ", ".join(model_name)
+        print(f"minivllm serving {names!r} on http://{host}:{sock.getsockname()[1]}/v1 with {size} replicas "
               f"({', '.join(replicas.urls)}), router {policy}", flush=True)
         server = uvicorn.Server(uvicorn_config(app, limits, log_level="info", access_log=True))
         try:

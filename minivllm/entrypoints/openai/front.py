@@ -208,10 +208,13 @@ class RouterFront:
                                                             for m in request.messages])
             except ValueError:
                 return []
-        elif isinstance(request.prompt, str):
-            token_ids = None if self.tokenizer is None else self.tokenizer(request.prompt).input_ids
-        else:
-            token_ids = list(request.prompt)
+        else:  # a batch goes to one replica: route it by its first prompt
+            first = request.prompts()[0] if request.prompts() else []
+            if isinstance(first, str):
+                token_ids = None if self.tokenizer is None else self.tokenizer(
+                    first, add_special_tokens=request.add_special_tokens).input_ids
+            else:
+                token_ids = list(first)
         return router.hash(token_ids, request.cache_salt)
 
     async def generate(self, raw: Request, chat: bool):

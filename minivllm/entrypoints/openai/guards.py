@@ -7,6 +7,7 @@ server (minivllm/entrypoints/openai/api_server.py) and the data-parallel front e
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 from dataclasses import dataclass
 
@@ -16,6 +17,22 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
 from minivllm.entrypoints.openai.protocol import APIError, error_body
+
+logger = logging.getLogger("minivllm.entrypoints.openai")
+
+
+def log_refusal(request, status: int, message: str, param: str | None) -> None:
+    """One log line per 4xx, naming the field (vLLM logs what it refuses too): an operator sees why clients
+    fail without asking them."""
+    if 400 <= status < 500:
+        logger.warning("%s %s -> %d%s: %s", request.method, request.url.path, status,
+                       f" (field {param!r})" if param else "", message)
+
+
+def bearer_matches(header: bytes, api_key: str) -> bool:
+    """`Authorization: Bearer KEY`, the scheme in any case (RFC 9110; vLLM's authenticate.py lowers it)."""
+    scheme, _, token = header.partition(b" ")
+    return secrets.compare_digest(token, api_key.encode()) and scheme.lower() == b"bearer"
 
 
 @dataclass(frozen=True)
@@ -40,7 +57,7 @@ class GuardMiddleware:
     """Plain ASGI, outermost: the header count, the API key, and OPTIONS for routes that have no handler
     for it. Runs before any body is read."""
 
-    OPEN_PATHS = ("/health",)
+    OPEN_PATHS = ("/health", "/ping")
 
     def __init__(self, app, router, limits: Limits, api_key: str | None):
         self.app, self.router, self.limits, self.api_key = app, router, limits, api_key
@@ -55,8 +72,7 @@ class GuardMiddleware:
         preflight = scope["method"] == "OPTIONS" and any(name == b"access-control-request-method"
                                                          for name, _ in headers)
         if self.api_key is not None and not preflight and scope["path"] not in self.OPEN_PATHS:
-            given = dict(headers).get(b"authorization", b"")
-            if not secrets.compare_digest(given, b"Bearer " + self.api_key.encode()):
+            if not bearer_matches(dict(headers).get(b"authorization", b""), self.api_key):
                 response = error_response(401, "missing or wrong API key: send Authorization: Bearer <key>",
                                           headers={"WWW-Authenticate": "Bearer"})
                 return await response(scope, receive, send)

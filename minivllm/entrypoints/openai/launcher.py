@@ -89,12 +89,14 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run_server(llm, host: str = "127.0.0.1", port: int = 8000, model_name: str = "minivllm",
-               api_key: str | None = None, limits: Limits = Limits(), access_log: bool = True) -> None:
+def run_server(llm, host: str = "127.0.0.1", port: int = 8000, model_name: str | list[str] = "minivllm",
+               api_key: str | None = None, limits: Limits = Limits(), access_log: bool = True,
+               model_path: str | None = None) -> None:
     """`python -m minivllm serve`: until interrupted."""
-    app = build_app(llm, model_name, api_key, limits)
+    app = build_app(llm, model_name, api_key, limits, model_path)
     sock = bind(host, port)
-    print(f"minivllm serving {model_name!r} on http://{host}:{sock.getsockname()[1]}/v1", flush=True)
+    names = ", ".join(map(repr, app.state.serving.model_names))
+    print(f"minivllm serving {names} on http://{host}:{sock.getsockname()[1]}/v1", flush=True)
     server = uvicorn.Server(uvicorn_config(app, limits, log_level="info", access_log=access_log))
     try:
         asyncio.run(server.serve(sockets=[sock]))
@@ -149,9 +151,9 @@ class BackgroundServer:
             ... talk to server.url (or server.host, server.port) ...
     """
 
-    def __init__(self, llm, host: str = "127.0.0.1", port: int = 0, model_name: str = "minivllm",
-                 api_key: str | None = None, limits: Limits = Limits()):
-        self.app = build_app(llm, model_name, api_key, limits)
+    def __init__(self, llm, host: str = "127.0.0.1", port: int = 0, model_name: str | list[str] = "minivllm",
+                 api_key: str | None = None, limits: Limits = Limits(), model_path: str | None = None):
+        self.app = build_app(llm, model_name, api_key, limits, model_path)
         self.engine = self.app.state.serving.engine  # its AsyncLLM
         self._uvicorn = ThreadedUvicorn(self.app, limits, host, port)
         self.host, self.port = self._uvicorn.host, self._uvicorn.port

@@ -37,7 +37,7 @@ class EngineCollector:
 
 
 class ServerMetrics:
-    def __init__(self, engine):
+    def __init__(self, engine, model_name: str = "minivllm"):
         self.registry = CollectorRegistry()
 
         def histogram(name, documentation):

@@ -5,15 +5,17 @@ A body is parsed by pydantic's own JSON parser (`model_validate_json`), not by `
 nesting deeper than 200 levels, integers of more than 4,300 digits, lone UTF-16 surrogates (`"\\ud800"`)
 and invalid UTF-8 with an ordinary validation error, which the server answers with a 400. The models are
 strict: `"2"` is not an integer and `1` is not a boolean; fields they do not know are refused by name rather
-than silently ignored. Ranges of the sampling fields are checked once, by `SamplingParams` itself
+than silently ignored. OpenAI's and vLLM's fields that minivllm does not implement (`VLLMNoOps`) are accepted at
+the value that asks for nothing, as clients send them by default, and refused by name at any other. Ranges of the sampling fields are checked once, by `SamplingParams` itself
 (minivllm/sampling_checks.py); the ranges below are the protocol's own.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from minivllm.sampling_params import SamplingParams
 
@@ -47,12 +49,71 @@ class OpenAIModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
+def _same(value, allowed) -> bool:
+    """JSON equality: `true` is not `1`, `1` is `1.0`."""
+    if isinstance(value, bool) or isinstance(allowed, bool):
+        return type(value) is type(allowed) and value == allowed
+    return value == allowed
+
+
+def NoOp(*allowed, kinds: tuple[type, ...] = ()):
+    """A field minivllm accepts only at a value that asks for nothing (null, false, empty, ...), or at any value
+    of `kinds` (labels such as `metadata` that ask nothing of the engine); another value is a 400 naming it."""
+
+    def check(value):
+        if value is None or any(_same(value, a) for a in allowed) or (kinds and isinstance(value, kinds)
+                                                                      and not isinstance(value, bool)):
+            return value
+        accepted = ", ".join(["null", *(json.dumps(a) for a in allowed), *(k.__name__ for k in kinds)])
+        raise ValueError(f"{json.dumps(value)[:80]} asks for something minivllm does not implement "
+                         f"(accepted: {accepted})")
+
+    return Annotated[Any, AfterValidator(check)]
+
+
+class VLLMNoOps(OpenAIModel):
+    """OpenAI's and vLLM's fields (vllm/entrypoints/openai/completion/protocol.py, chat_completion/protocol.py)
+    that clients send at their defaults: accepted at a value that asks for nothing, refused by name otherwise.
+    (vLLM accepts them all, and any unknown field with a log line; minivllm refuses fields it does not know.)"""
+
+    echo: NoOp(False) = None  # completions' echo needs prompt logprobs
+    logit_bias: NoOp({}) = None
+    response_format: NoOp({"type": "text"}) = None
+    structured_outputs: NoOp() = None
+    use_beam_search: NoOp(False) = None
+    length_penalty: NoOp(1) = None
+    spaces_between_special_tokens: NoOp(True) = None
+    truncate_prompt_tokens: NoOp() = None
+    truncation_side: NoOp() = None
+    allowed_token_ids: NoOp() = None
+    bad_words: NoOp([]) = None
+    prompt_logprobs: NoOp() = None
+    logprob_token_ids: NoOp() = None
+    priority: NoOp(0) = None  # vLLM's default scheduling policy, fcfs, is minivllm's only one
+    request_id: NoOp(kinds=(str,)) = None
+    session_id: NoOp(kinds=(str,)) = None
+    metadata: NoOp(kinds=(dict,)) = None
+    store: NoOp(False) = None
+    service_tier: NoOp("auto", "default") = None
+    return_tokens_as_token_ids: NoOp(False) = None
+    return_token_ids: NoOp(False) = None
+    return_token_offsets: NoOp(False) = None
+    return_weight_versions: NoOp(False) = None
+    kv_transfer_params: NoOp() = None
+    ec_transfer_params: NoOp() = None
+    vllm_xargs: NoOp({}) = None
+    repetition_detection: NoOp() = None
+    thinking_token_budget: NoOp(-1) = None
+    stream_interval: NoOp(1) = None
+    watermarking: NoOp(False) = None
+
+
 class StreamOptions(OpenAIModel):
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None
 
 
-class SamplingFields(OpenAIModel):
+class SamplingFields(VLLMNoOps):
     """The fields both generation endpoints share: OpenAI's, plus vLLM's extras (`top_k`, `min_p`,
     `ignore_eos`, `stop_token_ids`, ..., which the `openai` client sends through `extra_body`)."""
 
@@ -79,9 +140,19 @@ class SamplingFields(OpenAIModel):
 
 
 class CompletionRequest(SamplingFields):
-    """POST /v1/completions: one prompt, as text or token ids."""
+    """POST /v1/completions: a prompt as text or token ids, or a list of them (a batch: prompts x n choices)."""
 
-    prompt: str | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens (BOS) around a text prompt
+    suffix: NoOp("") = None
+    best_of: NoOp(1) = None
+    prompt_embeds: NoOp() = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the batch, in order (one for a single prompt)."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        return list(self.prompt)
     max_tokens: int | None = 16  # OpenAI's and vLLM's default for completions
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
@@ -108,6 +179,25 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are given
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True  # vLLM's: end the rendered chat with the assistant's turn
+    add_special_tokens: NoOp(False) = None  # the chat template writes them
+    tools: NoOp([]) = None
+    tool_choice: NoOp("none") = None
+    parallel_tool_calls: NoOp(True, False) = None  # nothing to call without tools
+    functions: NoOp([]) = None
+    function_call: NoOp("none") = None
+    reasoning_effort: NoOp() = None
+    include_reasoning: NoOp(True, False) = None  # no reasoning parser: nothing to include or strip
+    modalities: NoOp(["text"]) = None
+    audio: NoOp() = None
+    prediction: NoOp() = None
+    web_search_options: NoOp() = None
+    chat_template: NoOp() = None
+    chat_template_kwargs: NoOp({}) = None
+    continue_final_message: NoOp(False) = None
+    documents: NoOp() = None
+    mm_processor_kwargs: NoOp({}) = None
+    media_io_kwargs: NoOp({}) = None
 
 
 class TokenizeRequest(OpenAIModel):
@@ -141,6 +231,8 @@ def describe(error: ValidationError) -> tuple[str, str | None]:
     param = loc[0] if loc else None
     if first["type"] == "extra_forbidden":
         return f"not supported by minivllm: {'.'.join(loc)}", param
+    if first["type"] == "value_error" and len(loc) == 1:  # a NoOp field, or a check of ours
+        return f"{param}: {first['msg'].removeprefix('Value error, ')}", param
     if first["type"] == "json_invalid":
         return f"the body is not valid JSON: {first['msg'].removeprefix('Invalid JSON: ')}", None
     where = ".".join(part for part in loc if part not in ("str", "int", "float", "bool") and "[" not in part)

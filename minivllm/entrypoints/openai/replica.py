@@ -162,7 +162,7 @@ def replica_main(argv=None) -> int:
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--parent", type=int, required=True)
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--served-model-name", default="minivllm")
+    parser.add_argument("--served-model-name", nargs="+", default=["minivllm"])
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--dev-mode", action="store_true", help="serve /reset_prefix_cache")
     parser.add_argument("--llm-kwargs", default="{}", help="LLM(...) keyword arguments, as JSON")

@@ -27,7 +27,7 @@ def check_data_parallel_size(size) -> None:
 class Replicas:
     """N replica processes: started together, each announcing its URL; stopped together, also on failure."""
 
-    def __init__(self, size: int, llm_kwargs: dict | None = None, model_name: str = "minivllm",
+    def __init__(self, size: int, llm_kwargs: dict | None = None, model_name: str | list[str] = "minivllm",
                  api_key: str | None = None, threads: int | None = None, startup_timeout: float = 300,
                  dev_mode: bool = False):
         check_data_parallel_size(size)
@@ -37,11 +37,12 @@ class Replicas:
             env["MINIVLLM_API_KEY"] = api_key
         self.processes: list[subprocess.Popen] = []
         self.urls: list[str] = [""] * size
+        names = [model_name] if isinstance(model_name, str) else list(model_name)
         try:
             for rank in range(size):
                 self.processes.append(subprocess.Popen(
                     [sys.executable, "-m", "minivllm.entrypoints.openai.replica", "--rank", str(rank),
-                     "--parent", str(os.getpid()), "--served-model-name", model_name, "--threads", str(threads),
+                     "--parent", str(os.getpid()), "--served-model-name", *names, "--threads", str(threads),
                      "--llm-kwargs", json.dumps(llm_kwargs or {})] + (["--dev-mode"] if dev_mode else []),
                     stdout=subprocess.PIPE, stderr=None, text=True, env=env))
             deadline = time.monotonic() + startup_timeout

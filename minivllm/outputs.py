@@ -16,11 +16,12 @@ class CompletionOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """What one forward pass produced: new tokens for the requests that were caught up, and the
-    log-probabilities of those that asked for them."""
+    """What one forward pass produced: new tokens for the requests that were caught up, the
+    log-probabilities of those that asked for them, and the error of any request whose sampling failed."""
 
     new_token_ids: dict[Request, list[int]]
     logprobs: dict[Request, list] = field(default_factory=dict)
+    errors: dict[Request, Exception] = field(default_factory=dict)
 
 
 @dataclass

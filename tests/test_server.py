@@ -447,7 +447,7 @@ def test_an_engine_failure_is_a_500_and_the_server_keeps_serving(llm, server, mo
 
 
 def test_a_failed_step_fails_only_its_own_requests(llm, reference, server, monkeypatch):
-    """EngineStepError names the requests the failed step ran (the engine aborted them): those fail, with a
+    """EngineStepError maps the requests the failed step aborted to their errors: those fail, with a
     500 or an error event in their stream, and the other requests go on to the right output."""
     real_step, victims = llm.engine.step, []
 
@@ -458,7 +458,7 @@ def test_a_failed_step_fails_only_its_own_requests(llm, reference, server, monke
             victims.extend(marked)
             for request_id in marked:  # as the engine does with the requests of a failed step
                 llm.engine.abort_request(request_id)
-            raise EngineStepError(RuntimeError("simulated failure of one request"), marked)
+            raise EngineStepError({rid: RuntimeError("simulated failure of one request") for rid in marked}, [])
         return real_step()
 
     monkeypatch.setattr(llm.engine, "step", step)

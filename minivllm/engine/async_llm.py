@@ -113,8 +113,10 @@ class AsyncLLM:
                 engine.kv_manager.reset_prefix_cache()
         try:
             outputs = engine.step() if engine.has_unfinished_requests() else []
-        except EngineStepError as error:  # the engine aborted the step's requests; the others go on
-            failed |= {request_id: RuntimeError(f"the engine failed: {error}") for request_id in error.request_ids}
+        except EngineStepError as error:  # the engine aborted the requests it failed; the others go on
+            outputs = error.outputs
+            failed |= {request_id: RuntimeError(f"the engine failed this request: {type(cause).__name__}: {cause}")
+                       for request_id, cause in error.errors.items()}
         except Exception as error:  # outside the forward pass: no telling whom it hurt, so end them all
             for request_id in list(engine.output_processor.parents):
                 engine.abort_request(request_id)

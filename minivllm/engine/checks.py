@@ -46,5 +46,21 @@ def check_request(engine, request_id: str, prompt_token_ids, params, cache_salt=
     if len(prompt_token_ids) >= engine.config.max_model_len:
         raise ValueError(f"prompt of {len(prompt_token_ids)} tokens: must be shorter than max_model_len = "
                          f"{engine.config.max_model_len}, to leave room for at least one new token")
+    check_params_against_model(params, vocab, engine.config.max_model_len - len(prompt_token_ids))
     if params.stop_strings and engine.tokenizer is None:
         raise ValueError("SamplingParams.stop needs a tokenizer: stop strings are matched on text")
+
+
+def check_params_against_model(params: SamplingParams, vocab: int, room: int) -> None:
+    """The fields SamplingParams checked only for their own range, checked against this model: every token id
+    inside its vocabulary, and lengths within the room the prompt leaves (`room` new tokens at most). A value
+    that passed here cannot fail inside the sampler, where it would cost every request of the step."""
+    outside = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+    if outside:
+        raise ValueError(f"SamplingParams.stop_token_ids: {outside[:5]} outside this model's vocabulary [0, {vocab})")
+    if params.logprobs is not None and params.logprobs > vocab:
+        raise ValueError(f"SamplingParams.logprobs = {params.logprobs}: more alternatives than this model's "
+                         f"{vocab} tokens")
+    if params.min_tokens > room:
+        raise ValueError(f"SamplingParams.min_tokens = {params.min_tokens}: the prompt leaves room for at most "
+                         f"{room} new tokens within max_model_len")

@@ -20,11 +20,13 @@ from minivllm.sampling_params import SamplingParams
 
 
 class EngineStepError(RuntimeError):
-    """A step failed; the requests it was running were aborted (`request_ids`), every other one goes on."""
+    """A step failed some requests: `errors` maps each aborted request's id to its own error, which names no
+    other request. Every other request goes on; `outputs` are theirs from this step."""
 
-    def __init__(self, error: Exception, request_ids: list[str]):
-        super().__init__(f"engine step failed ({type(error).__name__}: {error}); aborted requests {request_ids}")
-        self.request_ids = request_ids
+    def __init__(self, errors: dict[str, Exception], outputs: list[RequestOutput]):
+        error = next(iter(errors.values()))
+        super().__init__(f"engine step failed ({type(error).__name__}: {error}); {len(errors)} request(s) aborted")
+        self.errors, self.outputs, self.request_ids = errors, outputs, list(errors)
 
 
 class LLMEngine:
@@ -86,19 +88,23 @@ class LLMEngine:
             return []
         try:
             runner_output = self.model_runner.execute(scheduler_output)
-        except Exception as error:
-            raise EngineStepError(error, self._fail(scheduler_output)) from error
+        except Exception as error:  # in the forward pass: the whole batch fails
+            failed = self._fail({request: error for request, _ in scheduler_output.scheduled})
+            self.kv_manager.reset_prefix_cache()  # the blocks it was filling may be half written
+            raise EngineStepError(failed, []) from error
         changed = self.scheduler.update_from_output(scheduler_output, runner_output)
-        return self.output_processor.make_outputs(changed)
+        if not runner_output.errors:
+            return self.output_processor.make_outputs(changed)
+        failed = self._fail(runner_output.errors)  # one request's sampling: the others keep their tokens
+        outputs = [o for o in self.output_processor.make_outputs(changed) if o.request_id not in failed]
+        raise EngineStepError(failed, outputs) from next(iter(runner_output.errors.values()))
 
-    def _fail(self, scheduler_output) -> list[str]:
-        """The forward pass raised: its requests end (aborted, blocks back), and no block it was to fill stays
-        findable in the prefix cache. The engine serves everyone else. Returns the failed requests' ids."""
-        for request, _ in scheduler_output.scheduled:
-            if request.status != "finished":
-                self.scheduler.finish(request, "abort")
-        self.kv_manager.reset_prefix_cache()
-        return list(dict.fromkeys(request.parent_id for request, _ in scheduler_output.scheduled))
+    def _fail(self, errors: dict) -> dict[str, Exception]:
+        """Abort every request (all `n` samples) of the requests in `errors`; their blocks come back."""
+        failed = {request.parent_id: error for request, error in errors.items()}
+        for parent_id in failed:
+            self.abort_request(parent_id)
+        return failed
 
     def output(self, request_id: str) -> RequestOutput:
         return self.output_processor.output(request_id)

@@ -106,7 +106,10 @@ class ModelRunner:
         self.block_tables.update(out.new_request_ids, out.new_block_ids, out.freed_request_ids)
         work = [(r.request_id, self.tokens_to_run(r, n), r.num_computed_tokens) for r, n in out.scheduled]
         hidden, query_start_loc = self.forward(work)
-        return self.sample(out.scheduled, hidden, query_start_loc)
+        try:
+            return self.sample(out.scheduled, hidden, query_start_loc)
+        except Exception:  # a request that got past the checks broke the batch's sampling: find it
+            return self.sample_each(out.scheduled, hidden, query_start_loc)
 
     def forward(self, work: list[tuple[str, list[int], int]]):
         """The model over `work`, (request id, tokens to run, first position) per request; plain data."""
@@ -129,3 +132,18 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[query_start_loc[1:][rows] - 1])
         tokens = self.sampler(logits, requests, self.generator)
         return ModelRunnerOutput({r: [t] for r, t in zip(requests, tokens)}, self.sampler.logprobs(logits, requests, tokens))
+
+    def sample_each(self, scheduled, hidden: torch.Tensor, query_start_loc: torch.Tensor) -> ModelRunnerOutput:
+        """`sample`, one request at a time: a request whose sampling raises gets its error instead of a
+        token, and every other request its token. The forward pass was whole, so its cache entries stand."""
+        output = ModelRunnerOutput({})
+        for i, entry in enumerate(scheduled):
+            start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
+            try:
+                one = self.sample([entry], hidden[start:end], query_start_loc.new_tensor([0, end - start]))
+            except Exception as error:
+                output.errors[entry[0]] = error
+                continue
+            output.new_token_ids |= one.new_token_ids
+            output.logprobs |= one.logprobs
+        return output

@@ -84,7 +84,7 @@ from minivllm.entrypoints.openai_server import stream_deltas
 
 def engine_param(message: str, chat: bool) -> str:
     """The request field an engine refusal is about: a sampling field it names, else the prompt."""
-    for name in ("cache_salt", "logprobs", "stop", "seed", "n", "max_tokens", "min_tokens"):
+    for name in ("cache_salt", "logprobs", "stop_token_ids", "stop", "seed", "n", "max_tokens", "min_tokens"):
         if message.startswith(tuple(f"{prefix}{name}{end}" for prefix in ("", "SamplingParams.")
                                     for end in (" ", "=", ":"))):
             return name

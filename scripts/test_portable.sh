@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# make test-portable: the C++ kernels' tests, and the chapters that run them, on the paths other readers' machines
+# take, forced on this one:
+#   - every instruction-set level below this CPU's own (MINIVLLM_CPU_ISA=avx512 / avx2 / portable): the CPUs with
+#     AVX-512 but no VNNI or BF16, with AVX2 only, and with neither (ARM compiles the same portable loops);
+#   - the kernels off (MINIVLLM_CPU_KERNELS=off): a machine with no C++ compiler;
+#   - clang instead of gcc (CXX=clang++); on Debian without libomp it is also a compiler without OpenMP.
+# `make test` has run everything on this CPU's own level with gcc just before (.ci/run calls both).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+KERNEL_TESTS=(tests/test_kernel_build.py tests/test_cpu_attention.py tests/test_cpu_gemv.py tests/test_cpu_ops.py
+              tests/test_int8.py tests/test_bf16.py)
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider)
+NBVAL=(--nbval --nbval-sanitize-with tests/nbval_sanitize.cfg)
+export TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
+summary=()
+failed=0
+
+run_path() {  # run_path LABEL ENV... -- PYTEST_ARGS...
+  local label=$1 started=$SECONDS
+  shift
+  local envs=()
+  while [ "$1" != "--" ]; do envs+=("$1"); shift; done
+  shift
+  echo "=== $label: ${envs[*]}"
+  env "${envs[@]}" "$PY" -m minivllm.kernels.build || true
+  local status=0
+  env "${envs[@]}" "${PYTEST[@]}" "$@" | tee .test_portable.log || status=$?
+  [ "$status" = 0 ] || failed=1
+  summary+=("$label (${envs[*]}): $(tail -n 1 .test_portable.log | tr -d '=') in $((SECONDS - started)) s")
+}
+
+levels=$("$PY" -c "from minivllm.kernels.build import ISA_LEVELS, isa_level
+print(' '.join(ISA_LEVELS[:ISA_LEVELS.index(isa_level())]))")
+for level in $levels; do
+  case $level in
+    portable) run_path "portable loops" MINIVLLM_CPU_ISA=portable -- "${KERNEL_TESTS[@]}" \
+                notebooks/08b_cpu_kernel.ipynb "${NBVAL[@]}" ;;
+    avx2|avx512) run_path "$level" MINIVLLM_CPU_ISA="$level" -- "${KERNEL_TESTS[@]}" ;;
+    *) ;;  # avx512_vnni: the int8 loop's level, tested whenever avx512_bf16 is this CPU's (the same #ifs)
+  esac
+done
+
+run_path "no C++ kernels" MINIVLLM_CPU_KERNELS=off -- "${KERNEL_TESTS[@]}" tests/test_engine.py \
+  notebooks/01_language_model.ipynb notebooks/06_continuous_batching.ipynb "${NBVAL[@]}"
+
+if ! command -v clang++ >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "installing clang (apt-get) for the clang path"
+  apt-get install -y -q clang >/dev/null 2>&1 || echo "apt-get could not install clang" >&2
+fi
+if command -v clang++ >/dev/null 2>&1; then
+  run_path "clang" CXX=clang++ -- "${KERNEL_TESTS[@]}" notebooks/08b_cpu_kernel.ipynb "${NBVAL[@]}"
+else
+  summary+=("clang: NOT RUN (no clang++ on PATH, and it could not be installed here)")
+fi
+rm -f .test_portable.log
+printf '%s\n' "" "make test-portable:" "${summary[@]/#/  }"
+exit "$failed"

@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 NBVAL := --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg
 
-.PHONY: install book test lab export clean-notebooks notebooks gpu-check bench llama-cpp
+.PHONY: install book test test-portable lab export clean-notebooks notebooks gpu-check bench llama-cpp
 
 install:
 	@bash scripts/setup_venv.sh
@@ -15,6 +15,13 @@ book: install
 test: install
 	$(PY) minivllm/tools/notebooks.py check-export
 	TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 $(PY) -m pytest -p no:cacheprovider tests notebooks $(NBVAL)
+
+## make test-portable: the C++ kernels' tests and the chapters that run them (8b; 1 and 6 without kernels) on the
+## paths other CPUs take, forced here: each instruction-set level below this CPU's (MINIVLLM_CPU_ISA), no kernels
+## (MINIVLLM_CPU_KERNELS=off, as without a compiler) and clang (installed with apt-get where it can be), which on
+## Debian without libomp is also a compiler without OpenMP
+test-portable: install
+	@bash scripts/test_portable.sh
 
 ## make lab: JupyterLab on the notebooks
 lab: install

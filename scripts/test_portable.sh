@@ -24,7 +24,7 @@ run_path() {  # run_path LABEL ENV... -- PYTEST_ARGS...
   while [ "$1" != "--" ]; do envs+=("$1"); shift; done
   shift
   echo "=== $label: ${envs[*]}"
-  env "${envs[@]}" "$PY" -m minivllm.kernels.build || true
+  env "${envs[@]}" "$PY" -m minivllm.kernels || true
   local status=0
   env "${envs[@]}" "${PYTEST[@]}" "$@" | tee .test_portable.log || status=$?
   [ "$status" = 0 ] || failed=1

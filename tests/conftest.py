@@ -69,3 +69,29 @@ def checkpoints(tmp_path_factory):
         folder = tmp_path_factory.mktemp(family)
         made[family] = (folder, save_random_checkpoint(folder, family))
     return made
+
+
+def kernel_missing(load) -> bool:
+    """True where a C++ kernel cannot be built here for a reason that is not a bug (no compiler, or
+    MINIVLLM_CPU_KERNELS=off): its tests skip. A compile error is not such a reason: the tests then run and fail."""
+    from minivllm.kernels.build import KernelBuildError, KernelUnavailable
+
+    try:
+        load()
+    except KernelBuildError:
+        return False
+    except KernelUnavailable:
+        return True
+    return False
+
+
+def kernel_or_skip(load, *args):
+    """`load(*args)`, or a skip where the kernel cannot be built here (see kernel_missing)."""
+    from minivllm.kernels.build import KernelBuildError, KernelUnavailable
+
+    try:
+        return load(*args)
+    except KernelBuildError:
+        raise
+    except KernelUnavailable as error:
+        pytest.skip(f"the C++ kernel cannot be built here: {error}")

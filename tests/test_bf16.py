@@ -31,11 +31,12 @@ from minivllm.attention.cpu_backend import CPUPagedAttention
 from minivllm.attention.paged import PagedAttention
 from minivllm.book.texts import CORPUS
 from minivllm.config import ModelConfig
-from minivllm.kernels.cpu_attention import cpu_attention_available, paged_decode_cpu
+from minivllm.kernels.cpu_attention import load_cpu_attention, paged_decode_cpu
 from minivllm.model.loader import DEFAULT_MODEL, load_model, load_weights
+from tests.conftest import kernel_missing
 from tests.test_cpu_attention import paged_step
 
-pytestmark = pytest.mark.skipif(not cpu_attention_available(), reason="the C++ kernel did not build (make install)")
+pytestmark = pytest.mark.skipif(kernel_missing(load_cpu_attention), reason="no C++ compiler here, or the kernels are off")
 
 LOGIT_BOUND = 2 ** -6  # of the largest logit's magnitude
 GREEDY_TOKENS = 32

@@ -5,9 +5,9 @@
   SmolLM2's 576 and 1,536), for 1 to 4 activation rows: the GEMV's largest error, relative to the largest
   output, is at most 1.5 times the one `torch.nn.functional.linear` makes in bf16 on the same inputs (both sum
   in fp32 and round once to bf16; they differ in the order of the additions). Checked for the AVX-512 BF16 loop
-  where this CPU has it, for AVX2's FMA loop on widened bf16 where it has AVX2 FMA (built with
-  -mno-avx512bf16), and for the portable loop everywhere (built with -mno-avx512bf16 -mno-fma).
-- **fp32**: the FMA loop where this CPU has AVX2 FMA, and the portable loop everywhere (built with -mno-fma), at
+  where this CPU has it, for AVX2's FMA loop on widened bf16 where it has AVX2 FMA (built for the `avx2` level),
+  and for the portable loop everywhere (built for the `portable` level: no vector instructions asked for).
+- **fp32**: the FMA loop where this CPU has AVX2 FMA, and the portable loop everywhere, at
   widths that leave 8, 24 or none of a row after its turns of 32 weights: the largest error relative to the
   largest output within 2^-20, as torch's own fp32 linear is.
 - **Its refusals**: other dtypes, more than four rows, K not a multiple of 32 (bf16) or 8 (fp32), each with an
@@ -32,26 +32,25 @@ from transformers import AutoModelForCausalLM
 
 from minivllm import LLM, SamplingParams
 from minivllm.kernels import cpu_gemv
+from minivllm.kernels.build import ISA_LEVELS, KernelUnavailable, isa_level
 from minivllm.kernels.cpu_gemv import GEMV_MAX_ROWS, GemvLinear, gemv_selectable, load_cpu_gemv, use_gemv
 from minivllm.model.loader import DEFAULT_MODEL
+from tests.conftest import kernel_missing, kernel_or_skip
 from tests.test_bf16 import BOOK_TEXTS, GREEDY_TOKENS, LOGIT_BOUND, first_divergence, greedy_with_margins
 
-PORTABLE = ("-mno-avx512bf16", "-mno-fma")
+PORTABLE = "portable"
 
 
-def built(extra_cflags=()):
-    """The GEMV module built with these flags, or a skip where it cannot be built (no compiler, not x86)."""
-    try:
-        return load_cpu_gemv(extra_cflags)
-    except Exception as error:  # noqa: BLE001 (a missing compiler shows up as several exception types)
-        pytest.skip(f"the GEMV does not build here: {type(error).__name__}")
+def built(isa=None):
+    """The GEMV module built for `isa` (default: this CPU's level), or a skip where it cannot be built here (no
+    compiler, kernels turned off, or a level above this CPU's)."""
+    if isa is not None and ISA_LEVELS.index(isa) > ISA_LEVELS.index(isa_level()):
+        pytest.skip(f"this CPU (or MINIVLLM_CPU_ISA) stops below {isa}")
+    return kernel_or_skip(load_cpu_gemv, isa)
 
 
 def has_dpbf16() -> bool:
-    try:
-        return bool(load_cpu_gemv().has_dpbf16())
-    except Exception:  # noqa: BLE001 (no compiler: the GEMV's tests skip one by one)
-        return False
+    return not kernel_missing(load_cpu_gemv) and bool(load_cpu_gemv().has_dpbf16())
 
 
 needs_dpbf16 = pytest.mark.skipif(not has_dpbf16(), reason="this CPU has no AVX-512 BF16 (its FMA and portable "
@@ -65,7 +64,7 @@ def gemv(request):
         if not module.has_dpbf16():
             pytest.skip("this CPU has no AVX-512 BF16")
     elif request.param == "fma":  # the AVX2 loop on widened bf16, which bf16 takes without AVX-512 BF16
-        module = built(("-mno-avx512bf16",))
+        module = built("avx2")
         if not module.has_fma():
             pytest.skip("this CPU has no AVX2 FMA")
         assert not module.has_dpbf16()
@@ -172,7 +171,7 @@ def test_use_gemv_keeps_torchs_matmul_where_the_dtype_has_no_vector_loop(monkeyp
 
 def test_gemv_selectable_is_false_where_the_gemv_does_not_build(monkeypatch):
     def no_compiler(*args):
-        raise RuntimeError("no compiler")
+        raise KernelUnavailable("no C++ compiler: 'c++' is not on PATH")
 
     monkeypatch.setattr(cpu_gemv, "load_cpu_gemv", no_compiler)
     assert not gemv_selectable(torch.float32) and not gemv_selectable(torch.bfloat16)

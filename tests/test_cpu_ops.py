@@ -25,14 +25,13 @@ from minivllm import LLM, SamplingParams
 from minivllm.entrypoints import llm as entrypoint
 from minivllm.kernels import cpu_ops
 from minivllm.kernels.cpu_ops import CPURMSNorm, CPURotaryEmbedding, load_cpu_ops, use_cpu_ops
+from minivllm.kernels.build import KernelUnavailable
 from minivllm.model.layers import RMSNorm, RotaryEmbedding
+from tests.conftest import kernel_or_skip
 
 
 def built():
-    try:
-        return load_cpu_ops()
-    except Exception as error:  # noqa: BLE001 (a missing compiler shows up as several exception types)
-        pytest.skip(f"the C++ operations do not build here: {type(error).__name__}")
+    return kernel_or_skip(load_cpu_ops)
 
 
 def tables(rope_scaling=None) -> RotaryEmbedding:
@@ -147,7 +146,7 @@ def test_the_default_engine_swaps_and_a_bad_setting_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="cpu_ops = 'on'"):
         LLM(cpu_ops="on")
     def no_compiler():
-        raise RuntimeError("no compiler")
+        raise KernelUnavailable("no C++ compiler: 'c++' is not on PATH")
 
     monkeypatch.setattr(entrypoint, "load_cpu_ops", no_compiler)  # no compiler: chapter 1's modules stay
     assert not any(isinstance(m, (CPURMSNorm, CPURotaryEmbedding)) for m in LLM().engine.model.modules())

@@ -27,15 +27,15 @@ from transformers import AutoModelForCausalLM
 
 from minivllm import LLM, SamplingParams
 from minivllm.config import ModelConfig
-from minivllm.kernels.cpu_attention import builds
 from minivllm.kernels.cpu_gemv import GemvLinear
 from minivllm.kernels.cpu_int8 import Int8Linear, load_cpu_int8, quantize_int8, round_to_int16_steps, use_int8
 from minivllm.model.decoder import CausalLM
 from minivllm.model.loader import load_weights
+from tests.conftest import kernel_missing
 from tests.test_bf16 import (LOGIT_BOUND, assert_greedy_follows_fp32_up_to_a_near_tie, book_greedy_runs,
                              checkpoint_cases, hf_logits, logits_of)
 
-pytestmark = pytest.mark.skipif(not builds(load_cpu_int8), reason="the int8 GEMV did not build (make install)")
+pytestmark = pytest.mark.skipif(kernel_missing(load_cpu_int8), reason="the int8 GEMV did not build (make install)")
 INT8 = "int8_per_channel_weight_only"
 
 
@@ -53,11 +53,11 @@ def test_the_recipe_is_per_row_symmetric_and_rounds_each_weight_within_half_a_st
     assert ((q.double() * step - w.double()).abs() <= step * (0.5 + 2 ** -16)).all()
 
 
-PORTABLE = ("-mno-avx512vnni",)  # the build without the VNNI loop
+PORTABLE = "portable"  # the build without the VNNI loop (and without AVX2)
 WIDTHS = [(1, 8), (3, 64), (5, 88), (9, 33), (17, 576), (192, 576), (577, 576), (7, 1000), (576, 1536)]
 
 
-@pytest.fixture(scope="module", params=[(), PORTABLE], ids=["this-cpu", "portable-loop"])
+@pytest.fixture(scope="module", params=[None, PORTABLE], ids=["this-cpu", "portable-loop"])
 def gemv_int8(request):
     return load_cpu_int8(request.param).gemv_int8
 

@@ -8,7 +8,8 @@ import torch
 from minivllm.attention.cpu_backend import CPUPagedAttention
 from minivllm.attention.paged import PagedAttention
 from minivllm.attention.triton_backend import NO_TRITON, TritonPagedAttention
-from minivllm.kernels.cpu_attention import NO_CPU_KERNEL, cpu_attention_available
+from minivllm.kernels.build import kernel_problem, kernels_enabled
+from minivllm.kernels.cpu_attention import NO_CPU_KERNEL, cpu_attention_available, load_cpu_attention
 from minivllm.kernels.interpreter import triton_available, use_interpreter_without_gpu
 
 
@@ -27,14 +28,15 @@ def attention_backend_class(attention_backend: str, device: torch.device) -> typ
     if attention_backend == "auto" and device.type == "cpu":
         if cpu_attention_available():
             return CPUPagedAttention
-        warnings.warn(NO_CPU_KERNEL + "; using the reference backend", stacklevel=2)
+        if kernels_enabled():  # MINIVLLM_CPU_KERNELS=off: the reader asked for the reference, no warning
+            warnings.warn(f"{NO_CPU_KERNEL}; using the reference backend", stacklevel=2)
     if attention_backend in ("auto", "torch"):
         return PagedAttention
     if attention_backend == "cpu":
         if device.type != "cpu":
             raise ValueError(f"attention_backend = 'cpu' runs on a CPU, and the device is {device}")
         if not cpu_attention_available():
-            raise ImportError(NO_CPU_KERNEL)
+            raise ImportError(f"{NO_CPU_KERNEL}: {kernel_problem(load_cpu_attention)}")
         return CPUPagedAttention
     if not triton_available():
         raise ImportError(NO_TRITON)

@@ -15,7 +15,7 @@ from minivllm.distributed.engine import TensorParallelEngine, tensor_parallel
 from minivllm.distributed.kv_events import publishing_kv_events
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.entrypoints.chat import chat_prompts
-from minivllm.kernels.cpu_attention import builds
+from minivllm.kernels.build import kernel_available
 from minivllm.kernels.cpu_gemv import use_gemv
 from minivllm.kernels.cpu_int8 import use_int8
 from minivllm.kernels.cpu_ops import load_cpu_ops, use_cpu_ops
@@ -203,7 +203,7 @@ def cpu_ops_option(build, setting: str) -> None:
     if setting not in ("auto", "off"):
         raise ValueError(f"cpu_ops = {setting!r}: expected 'auto' or 'off'")
     if setting == "auto":
-        build.after_load.append(lambda model: builds(load_cpu_ops) and use_cpu_ops(model))
+        build.after_load.append(lambda model: kernel_available(load_cpu_ops) and use_cpu_ops(model))
 
 
 LLM_OPTIONS["cpu_ops"] = EngineOption("auto", cpu_ops_option)

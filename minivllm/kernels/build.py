@@ -340,7 +340,3 @@ def build_all() -> bool:
     for name, problem in problems.items():
         print(f"  {name}: {'built' if problem is None else 'NOT BUILT: ' + problem}")
     return all(problem is None for problem in problems.values())
-
-
-if __name__ == "__main__":
-    sys.exit(0 if build_all() else 1)

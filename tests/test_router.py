@@ -281,7 +281,7 @@ def chat(server, messages, **extra):
 def metric(server, name: str, replica: int) -> float:
     text = httpx.get(server.url + "/metrics", timeout=TIMEOUT).text
     for line in text.splitlines():
-        if line.startswith(f'{name}{{replica="{replica}"}}'):
+        if line.startswith(f'{name}{{replica="{replica}",'):
             return float(line.split()[-1])
     raise AssertionError(f"no {name} for replica {replica} in /metrics")
 
@@ -365,11 +365,11 @@ def test_a_hang_up_aborts_on_the_replica(cluster, stream):
     deadline = time.monotonic() + 30
     running = [1.0, 1.0]
     while time.monotonic() < deadline and (sum(running) or sum(cluster.front.router.in_flight)):
-        running = [metric(cluster, "minivllm:num_requests_running", r) for r in range(2)]
+        running = [metric(cluster, "vllm:num_requests_running", r) for r in range(2)]
         time.sleep(0.1)
     assert running == [0.0, 0.0] and cluster.front.router.in_flight == [0, 0]
     assert time.monotonic() - start < 20  # 1,500 tokens would take longer: it was aborted, not finished
-    assert all(metric(cluster, "minivllm:kv_cache_usage_perc", r) == 0 for r in range(2))
+    assert all(metric(cluster, "vllm:kv_cache_usage_perc", r) == 0 for r in range(2))
 
 
 def test_a_dead_replica_is_avoided_then_a_clean_503(cluster):

@@ -204,7 +204,7 @@ def usage(server) -> list[float]:
     values = []
     for url in server.replicas.urls:
         text = httpx.get(url + "/metrics", timeout=TIMEOUT).text
-        values += [float(t.split()[-1]) for t in text.splitlines() if t.startswith("minivllm:kv_cache_usage_perc")]
+        values += [float(t.split()[-1]) for t in text.splitlines() if t.startswith("vllm:kv_cache_usage_perc{")]
     return values
 
 

@@ -367,15 +367,18 @@ def test_metrics_and_health(server):
     for _ in range(3):
         assert post(server, "/v1/completions", {"prompt": "ROMEO:", "max_tokens": 4})[0] == 200
     after = _metrics(server)
-    assert after["minivllm:request_success_total"] == before["minivllm:request_success_total"] + 3
-    assert after["minivllm:time_to_first_token_seconds_count"] == before["minivllm:time_to_first_token_seconds_count"] + 3
-    assert after["minivllm:generation_tokens_total"] == before["minivllm:generation_tokens_total"] + 12
-    buckets = [v for k, v in after.items() if k.startswith("minivllm:time_to_first_token_seconds_bucket")]
-    assert buckets == sorted(buckets) and buckets[-1] == after["minivllm:time_to_first_token_seconds_count"]
+    label = '{model_name="minivllm",engine="0"}'  # vLLM's names and labels
+    assert after['vllm:request_success_total{model_name="minivllm",engine="0",finished_reason="length"}'] \
+        == before['vllm:request_success_total{model_name="minivllm",engine="0",finished_reason="length"}'] + 3
+    count = "vllm:time_to_first_token_seconds_count" + label
+    assert after[count] == before[count] + 3
+    assert after["vllm:generation_tokens_total" + label] == before["vllm:generation_tokens_total" + label] + 12
+    buckets = [v for k, v in after.items() if k.startswith("vllm:time_to_first_token_seconds_bucket{")]
+    assert buckets == sorted(buckets) and buckets[-1] == after[count]
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
                  "prefix_cache_hits_total", "num_preemptions_total", "inter_token_latency_seconds_count",
                  "e2e_request_latency_seconds_count", "request_time_per_output_token_seconds_count"):
-        assert f"minivllm:{name}" in after
+        assert f"vllm:{name}{label}" in after
     assert get(server, "/health")[0] == 200
     assert json.loads(get(server, "/v1/models")[1])["data"][0]["id"] == "minivllm"
 
@@ -383,14 +386,23 @@ def test_metrics_and_health(server):
 def _metrics(server, headers=None) -> dict:
     status, body = get(server, "/metrics", headers)
     assert status == 200
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+    return {labels_sorted(line.rsplit(" ", 1)[0]): float(line.rsplit(" ", 1)[1])
             for line in body.decode().splitlines() if line and not line.startswith("#")}
+
+
+def labels_sorted(key: str) -> str:
+    """`name{b="1",a="2"}` -> `name{model_name=...,engine=...,the others}`: one spelling whatever the client's order."""
+    if "{" not in key:
+        return key
+    name, labels = key[:-1].split("{")
+    pairs = sorted(labels.split(","), key=lambda p: (not p.startswith("model_name="), not p.startswith("engine="), p))
+    return f"{name}{{{','.join(pairs)}}}"
 
 
 def test_metrics_come_from_the_engine_loops_snapshot(server, monkeypatch):
     """/metrics never reads the scheduler: what it shows is the dict the loop published after its last turn."""
     monkeypatch.setattr(server.engine, "snapshot", {**server.engine.snapshot, "num_requests_waiting": 12345})
-    assert _metrics(server)["minivllm:num_requests_waiting"] == 12345
+    assert _metrics(server)['vllm:num_requests_waiting{model_name="minivllm",engine="0"}'] == 12345
 
 
 def test_sendable_text_holds_back_partial_characters_and_stop_prefixes():
@@ -830,7 +842,7 @@ def test_issue19_item7_the_metrics_oracle_and_what_closes_it():
 
         def hits():
             text = httpx.get(private.url + "/metrics", headers=key).text
-            return float(re.search(r"^minivllm:prefix_cache_hits_total (\S+)", text, re.M).group(1))
+            return float(re.search(r"^vllm:prefix_cache_hits_total\{[^}]*\} (\S+)", text, re.M).group(1))
 
         def gain(prompt, salt):
             before = hits()

@@ -158,7 +158,7 @@ def test_no_op_fields_are_accepted_and_change_nothing(server):
 ])
 def test_a_field_asking_for_what_minivllm_lacks_is_a_400_naming_it(server, path, field, value, caplog):
     base = {"prompt": "ROMEO:"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
-    with caplog.at_level(logging.WARNING, logger="minivllm.entrypoints.openai"):
+    with caplog.at_level(logging.INFO, logger="minivllm.entrypoints.openai"):
         status, body = post(server, path, {**base, field: value})
     assert status == 400 and body["error"]["param"] == field and field in body["error"]["message"], body
     # goal 6: the server's log says why, naming the field
@@ -245,3 +245,64 @@ def test_command_line_serve_model_positional_with_vllm_api_key(tmp_path):
         process.wait(timeout=30)
     log = (tmp_path / "err").read_text()
     assert "POST /v1/completions -> 400 (field 'n')" in log, log
+
+
+# ------------------------------------------------------------------ goal 4: vLLM's metrics
+
+def scrape(url: str) -> dict:
+    """/metrics as {name{labels}: value}, the labels in the order written here (model_name, engine, others)."""
+    text = httpx.get(url + "/metrics", timeout=TIMEOUT).text
+    return {ordered(line.rsplit(" ", 1)[0]): float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
+def ordered(key: str) -> str:
+    if "{" not in key:
+        return key
+    name, labels = key[:-1].split("{")
+    pairs = sorted(labels.split(","), key=lambda p: (not p.startswith("model_name="), not p.startswith("engine="), p))
+    return f"{name}{{{','.join(pairs)}}}"
+
+
+def test_metrics_have_vllms_names_and_model_name_label(server):
+    label = '{model_name="tiny",engine="0"}'  # the first served name, as vLLM's
+    before = scrape(server.url)
+    assert post(server, "/v1/completions", {"prompt": PROMPTS[:2], "n": 2, "max_tokens": 5, "ignore_eos": True,
+                                            "temperature": 0})[0] == 200
+    after = scrape(server.url)
+    grew = lambda name: after[name + label] - before.get(name + label, 0)  # noqa: E731
+    assert grew("vllm:e2e_request_latency_seconds_count") == 2 and grew("vllm:request_params_n_count") == 2
+    assert grew("vllm:generation_tokens_total") == 2 * 2 * 5 and grew("vllm:request_generation_tokens_sum") == 20
+    for phase in ("queue", "prefill", "decode", "inference"):  # from the engine's own timestamps
+        assert grew(f"vllm:request_{phase}_time_seconds_count") == 2
+    success = 'vllm:request_success_total{model_name="tiny",engine="0",finished_reason="length"}'
+    assert after[success] - before[success] == 2  # a prompt with its n choices is one request of minivllm's engine
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total", "time_to_first_token_seconds_count",
+                 "inter_token_latency_seconds_count", "request_time_per_output_token_seconds_count",
+                 "request_prompt_tokens_count", "request_params_max_tokens_count", "prompt_tokens_cached_total"):
+        assert f"vllm:{name}{label}" in after, name
+    assert not any(k.startswith(("minivllm:", "vllm:spec_decode")) for k in after)  # no speculation here
+
+
+def test_spec_decode_counters_as_vllm_bench_serve_reads_them():
+    spec_llm = LLM(num_kv_blocks=256, speculative_config={"model": None, "num_speculative_tokens": 3})
+    with BackgroundServer(spec_llm) as spec_server:
+        for prompt in PROMPTS:
+            assert post(spec_server, "/v1/completions", {"prompt": prompt, "max_tokens": 30, "temperature": 0})[0] == 200
+        text = httpx.get(spec_server.url + "/metrics", timeout=TIMEOUT).text
+    stats = spec_llm.stats()
+    totals, per_position = {}, {}
+    for line in text.splitlines():  # as vllm/benchmarks/serve.py fetch_spec_decode_metrics parses them
+        if line.startswith("vllm:spec_decode"):
+            name, value = line.split("{")[0], float(line.split()[-1])
+            if 'position="' in line:
+                per_position[int(line.split('position="')[1].split('"')[0])] = value
+            elif name.endswith("_total"):
+                totals[name] = value
+    assert totals == {"vllm:spec_decode_num_drafts_total": stats["spec_decode_num_drafts"],
+                      "vllm:spec_decode_num_draft_tokens_total": stats["spec_decode_num_draft_tokens"],
+                      "vllm:spec_decode_num_accepted_tokens_total": stats["spec_decode_num_accepted_tokens"]}
+    assert totals["vllm:spec_decode_num_drafts_total"] > 0
+    assert 0 < sum(per_position.values()) == totals["vllm:spec_decode_num_accepted_tokens_total"]
+    assert sorted(per_position) == [0, 1, 2]

@@ -113,7 +113,7 @@ class OpenAIServing:
         self.model_name, self.model_path = model_names[0], model_path or model_names[0]
         self.max_model_len = llm.engine.config.max_model_len
         self.vocab_size = llm.engine.model.config.vocab_size
-        self.metrics = ServerMetrics(self.engine, self.model_name)
+        self.metrics = ServerMetrics(self.engine, self.model_name, self.max_model_len)
         self.responses = Responses(self.tokenizer)
         self.started = int(time.time())
         self.cpu = ThreadPoolExecutor(2, thread_name_prefix="minivllm-tokenize")  # off the event loop
@@ -189,7 +189,7 @@ class OpenAIServing:
             raise failed
         header = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                   "model": self.model_name}
-        timed = [self.timed(first, stream, arrival) for first, stream in zip(firsts, streams)]
+        timed = [self.timed(first, stream, arrival, params) for first, stream in zip(firsts, streams)]
         if request.stream:
             events = self.sse(header, chat, timed, params, request)
             return ClosingStreamingResponse(events, media_type="text/event-stream",
@@ -211,7 +211,7 @@ class OpenAIServing:
 
         return await self.off_loop(answer)
 
-    async def timed(self, first, outputs, arrival: float):
+    async def timed(self, first, outputs, arrival: float, params):
         """A request's outputs, the first one included, timing them: TTFT, the gaps between outputs (one step
         each), and the request's end-to-end latency once it finishes."""
         async with aclosing(outputs):
@@ -220,7 +220,7 @@ class OpenAIServing:
             output = first
             while True:
                 if output.finished:
-                    self.metrics.finished(output, arrival, first_time, time.perf_counter())
+                    self.metrics.finished(output, params, arrival, first_time, time.perf_counter())
                 yield output
                 try:
                     output = await anext(outputs)

@@ -25,7 +25,7 @@ def log_refusal(request, status: int, message: str, param: str | None) -> None:
     """One log line per 4xx, naming the field (vLLM logs what it refuses too): an operator sees why clients
     fail without asking them."""
     if 400 <= status < 500:
-        logger.warning("%s %s -> %d%s: %s", request.method, request.url.path, status,
+        logger.info("%s %s -> %d%s: %s", request.method, request.url.path, status,
                        f" (field {param!r})" if param else "", message)
 
 

@@ -144,7 +144,7 @@ def test_a_salted_tenants_blocks_are_served_to_nobody_else_from_memory_or_disk(t
     assert_matches_transformers([secret], outputs)
 
 
-def damage(kind, path, identity, block_hash):
+def damage(kind, path, identity, block_hash, key):
     data = path.read_bytes()
     if kind == "a flipped payload byte":
         path.write_bytes(data[:-5] + bytes([data[-5] ^ 1]) + data[-4:])
@@ -152,8 +152,8 @@ def damage(kind, path, identity, block_hash):
         path.write_bytes(data[:len(data) // 2])
     elif kind == "another model's block":
         foreign = dict(identity, model="another-model")
-        kv = file_tier.decode_block(identity, block_hash, data)
-        path.write_bytes(encode_block(foreign, block_hash, kv + 1))
+        kv = file_tier.decode_block(identity, block_hash, data, key)
+        path.write_bytes(encode_block(foreign, block_hash, kv + 1, key))
     elif kind == "another block's contents":
         other = next(p for p in path.parent.glob("*.kv") if p != path)
         path.write_bytes(other.read_bytes())
@@ -172,7 +172,7 @@ def test_a_damaged_or_foreign_block_file_is_refused_once_and_recomputed(tmp_path
     file = engine.store.tiers[1]
     hashes = block_hashes(prompt, 4)
     for index in (3, 6):  # two bad files: the engine says so once
-        damage(kind, file.path(hashes[index]), file.identity, hashes[index])
+        damage(kind, file.path(hashes[index]), file.identity, hashes[index], file.key)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         outputs, [cached] = run(engine, [prompt], "reader")
@@ -187,13 +187,12 @@ def test_a_damaged_or_foreign_block_file_is_refused_once_and_recomputed(tmp_path
 
 
 def test_a_full_disk_fails_no_request(tmp_path, monkeypatch):
-    def no_space(path, mode="r", *args, **kwargs):
-        if "w" in mode:
-            raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        return open(path, mode, *args, **kwargs)
+    engine = offloading(config(20, 1, 64), root=tmp_path)  # its folder and key are made before the disk fills
 
-    monkeypatch.setattr(file_tier, "open", no_space, raising=False)
-    engine = offloading(config(20, 1, 64), root=tmp_path)
+    def no_space(folder, name, data):
+        raise OSError(errno.ENOSPC, "No space left on device", str(folder / name))
+
+    monkeypatch.setattr(file_tier, "write_file", no_space)
     prompt = passage_prompts([44])[0]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -202,7 +201,7 @@ def test_a_full_disk_fails_no_request(tmp_path, monkeypatch):
         second, [cached] = run(engine, [prompt], "b")
     file = engine.store.tiers[1]
     assert sum("cannot write" in str(w.message) for w in caught) == 1
-    assert file.write_failures > 1 and not file.files and not list(file.folder.iterdir())
+    assert file.write_failures > 1 and not file.files and not list(file.folder.glob("*.kv*"))
     assert cached == 40, "the CPU tier still serves"
     assert_matches_transformers([prompt, prompt], [first[0], second[0]])
 
@@ -234,7 +233,7 @@ def test_a_second_process_serves_the_prefix_from_the_file_tier(tmp_path):
 
 def test_the_file_tier_evicts_its_oldest_files_and_rescans_them_at_start(tmp_path):
     identity = kv_identity("m", (2,), torch.float32)
-    size = len(encode_block(identity, b"\x00" * 32, torch.zeros(2)))
+    size = len(encode_block(identity, b"\x00" * 32, torch.zeros(2), b"k" * 32))
     tier = FileTier(tmp_path, 3 * size, identity)
     for i in range(5):
         tier.put(bytes([i]) * 32, torch.full((2,), float(i)))

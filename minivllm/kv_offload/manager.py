@@ -151,7 +151,7 @@ KV_MANAGERS["kv_offloading_size"] = offloading_manager  # tried before chapter 7
 
 class OffloadingLLMEngine(LLMEngine):
     """Chapter 6's engine with the tiers behind its pool: `config.kv_offloading_size` GiB of host memory
-    and, with `file_root`, up to `file_bytes` of block files there (named for `model_name` and the block shape).
+    and, with `file_root`, up to `file_bytes` of block files there (named for `model_name`, its weights and the block shape).
     Other keyword arguments go on to the engine it is composed with (chapter 9's `speculative_config`)."""
 
     runner_class = OffloadingModelRunner
@@ -165,7 +165,7 @@ class OffloadingLLMEngine(LLMEngine):
         kv = self.kv_cache.kv
         events = config.enable_kv_cache_events
         cpu = CPUTier(round(config.kv_offloading_size * 2**30), self.kv_cache.bytes_per_block, events)
-        identity = kv_identity(model_name, kv[:, :, 0].shape, kv.dtype)
+        identity = kv_identity(model_name, kv[:, :, 0].shape, kv.dtype, model, backend) if file_root else None
         self.store = TieredKVStore(cpu, FileTier(file_root, file_bytes, identity, events) if file_root else None)
         self.model_runner.connector = OffloadingConnector(self.kv_cache, self.store)
         self.kv_manager.offload_prompt_only = offload_prompt_only

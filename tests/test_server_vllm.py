@@ -306,3 +306,23 @@ def test_spec_decode_counters_as_vllm_bench_serve_reads_them():
     assert totals["vllm:spec_decode_num_drafts_total"] > 0
     assert 0 < sum(per_position.values()) == totals["vllm:spec_decode_num_accepted_tokens_total"]
     assert sorted(per_position) == [0, 1, 2]
+
+
+def test_a_client_that_hangs_up_on_a_batch_frees_every_prompts_blocks(server):
+    import socket
+    import time
+
+    body = json.dumps({"prompt": PROMPTS, "n": 2, "max_tokens": 1000, "ignore_eos": True, "stream": True}).encode()
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+    with socket.create_connection((server.host, server.port), timeout=TIMEOUT) as sock:
+        sock.sendall(head % len(body) + body)
+        received = b""
+        while b"data: {" not in received:  # streaming has begun: every prompt is running
+            received += sock.recv(65536)
+        assert server.engine.snapshot["num_requests_running"] + server.engine.snapshot["num_requests_waiting"] > 0
+    deadline = time.time() + 30  # 6 x 1,000 tokens would take far longer: they were aborted
+    while (server.engine.snapshot["unfinished"] or server.engine._streams) and time.time() < deadline:
+        time.sleep(0.05)
+    engine = server.engine.engine
+    assert not engine.has_unfinished_requests() and not engine.output_processor.parents
+    assert engine.kv_manager.pool.num_free == engine.kv_manager.pool.num_blocks

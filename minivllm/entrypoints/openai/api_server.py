@@ -39,7 +39,7 @@ oracle for other tenants' prompts (chapter 10). vLLM protects only `/v1/*`.
 |---|---|---|
 | request body | 1 MiB (`max_body_bytes`), with or without Content-Length (chunked) | 413 |
 | body arrival | within 30 s of the headers (`body_timeout`) | 408 |
-| request line + headers | 64 KiB in all (uvicorn's `h11_max_incomplete_event_size`) | 400 from uvicorn |
+| request line + headers | 64 KiB in all (uvicorn's `h11_max_incomplete_event_size` while they arrive, the guard's check once they have) | 400 from uvicorn, or 431 |
 | header count | 100 (`max_headers`) | 431 |
 | request line + headers arrival | within 10 s of connecting or of the previous response (`header_timeout`) | 408, closed |
 | idle keep-alive connection | closed after 5 s (uvicorn's `timeout_keep_alive`) | closed |
@@ -267,6 +267,9 @@ class OpenAIServing:
         except RuntimeError as error:  # the engine failed this request after the stream began: say so in it
             yield event(error_body(500, str(error)))
             finals = [None]
+        finally:  # however the stream ends (a hang-up closes this generator): close the requests' streams,
+            for stream in streams:  # which aborts those still running
+                await stream.aclose()
         if include_usage and all(f is not None for f in finals):
             yield event({**header, "object": kind, "choices": [], "usage": usage(finals)})
         yield "data: [DONE]\n\n"

@@ -199,6 +199,9 @@ def main(argv=None) -> int:
         args.model = args.model_tag
     if args.command == "serve" and args.served_model_name is not None and not all(args.served_model_name):
         server.error("argument --served-model-name: an empty name")
+    if args.command == "serve" and args.api_key is not None and not args.api_key.strip():
+        server.error("argument --api-key: an empty key would let every client in; leave --api-key out to serve "
+                     "without one")
     command_parser = {"generate": gen, "serve": server, "explain-cache": explain}.get(args.command, parser)
     if args.command in ("generate", "serve"):
         EngineArgs.from_cli_args(args).check(command_parser)

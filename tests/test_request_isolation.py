@@ -174,3 +174,21 @@ def test_over_http_a_sampler_failure_is_one_500_that_names_no_other_request(llm,
     text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events if json.loads(e[6:])["choices"])
     assert text == alone.outputs[0].text
     assert len(llm.engine.kv_manager.pool.cached) >= cached > 0
+
+
+def test_through_the_data_parallel_front_end_the_reproducer_is_a_400_and_others_are_served():
+    """The reproducer through the data-parallel front end (one replica process behind it): a 400 naming
+    stop_token_ids, while a greedy request sent at the same time is answered in full."""
+    from minivllm.entrypoints.openai.dp_server import DataParallelServer
+
+    with DataParallelServer(1, "prefix-aware", llm_kwargs={"num_kv_blocks": 128, "max_num_seqs": 4},
+                            threads=1) as cluster:
+        results = []
+        greedy = {"prompt": CORPUS[:200], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        runner = threading.Thread(target=lambda: results.append(complete(cluster, greedy)))
+        runner.start()
+        status, body = complete(cluster, {"prompt": "ROMEO:", "max_tokens": 4, **BAD})
+        runner.join(TIMEOUT)
+        assert status == 400 and body["error"]["param"] == "stop_token_ids" and "99999" in body["error"]["message"]
+        assert results[0][0] == 200 and results[0][1]["usage"]["completion_tokens"] == 24
+        assert httpx.get(cluster.url + "/health", timeout=TIMEOUT).status_code == 200

@@ -10,6 +10,7 @@ from safetensors import safe_open
 from minivllm.config import ModelConfig
 from minivllm.distributed.layers import ColumnParallelLinear, RowParallelLinear
 from minivllm.distributed.parallel_state import tensor_model_parallel_all_reduce
+from minivllm.model.checkpoint_checks import check_tensor_shapes
 from minivllm.model.decoder import CausalLM
 from minivllm.model.layers import RotaryEmbedding
 from minivllm.model.loader import load_model, resolve_dtype, resolve_model_path, weight_files
@@ -54,6 +55,8 @@ def load_shard(model, dtype, device: torch.device, rank: int, world_size: int):
     folder = resolve_model_path(model)
     config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
     dtype = resolve_dtype(dtype, config, device)
+    files = weight_files(folder)
+    check_tensor_shapes(files, config, folder)  # chapter 1's checks, on the files' headers, before allocating
     with torch.device("meta"):  # shapes only: sharding here allocates nothing
         lm = shard_model(CausalLM(config).to(dtype), rank, world_size).to_empty(device=device)
     with torch.device(device):
@@ -61,7 +64,7 @@ def load_shard(model, dtype, device: torch.device, rank: int, world_size: int):
     if config.tie_word_embeddings:
         lm.lm_head.weight = lm.model.embed_tokens.weight
     params, dims = dict(lm.named_parameters()), split_dims(lm)
-    for file in weight_files(folder):
+    for file in files:
         with safe_open(file, framework="pt", device=str(device)) as f:
             for name in (n for n in f.keys() if n in params):
                 stored, dim = f.get_slice(name), dims.get(name)

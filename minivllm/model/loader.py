@@ -9,6 +9,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from minivllm.config import DTYPES, ModelConfig
+from minivllm.model.checkpoint_checks import check_tensor_shapes, weight_files
 from minivllm.model.decoder import CausalLM
 
 
@@ -40,39 +41,21 @@ def resolve_dtype(dtype, config: ModelConfig, device: torch.device) -> torch.dty
     raise ValueError(f"dtype={dtype!r} is not supported; supported: {sorted(DTYPES)}")
 
 
-def weight_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [folder / name for name in names]
-    else:
-        files = sorted(folder.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors weights in {folder}")
-    for file in files:
-        if not file.exists():
-            raise FileNotFoundError(f"weights file {file} is missing (listed in {index.name})")
-    return files
-
-
 def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    files = weight_files(folder)  # the index's files, each one of the folder's
+    check_tensor_shapes(files, config, folder)  # from the files' headers: nothing allocated before they match
     with torch.device(device):
         lm = CausalLM(config).to(dtype)
     params = dict(lm.named_parameters())
-    loaded = set()
-    for file in weight_files(folder):
+    for file in files:
         try:
             with safe_open(file, framework="pt", device=str(device)) as f:
                 for name in f.keys():
                     if name in params:
                         with torch.no_grad():
                             params[name].copy_(f.get_tensor(name))
-                        loaded.add(name)
         except (SafetensorError, OSError) as error:
             raise ValueError(f"weights file {file} cannot be read: {error}") from None
-    missing = set(params) - loaded - ({"lm_head.weight"} if config.tie_word_embeddings else set())
-    if missing:
-        raise ValueError(f"weights missing from {folder}: {sorted(missing)[:5]}")
     return lm.eval()
 
 

@@ -53,6 +53,12 @@ def error_response(status: int, message: str, param: str | None = None, headers=
     return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
+def head_bytes(scope) -> int:
+    """The request line and headers as sent, in bytes (give or take the method and the version)."""
+    target = len(scope.get("raw_path") or scope["path"].encode()) + len(scope.get("query_string") or b"") + 1
+    return len(scope["method"]) + target + 11 + sum(len(name) + len(value) + 4 for name, value in scope["headers"])
+
+
 class GuardMiddleware:
     """Plain ASGI, outermost: the header count, the API key, and OPTIONS for routes that have no handler
     for it. Runs before any body is read."""
@@ -68,6 +74,10 @@ class GuardMiddleware:
         headers = scope["headers"]
         if len(headers) > self.limits.max_headers:
             response = error_response(431, f"{len(headers)} headers: the limit is {self.limits.max_headers}")
+            return await response(scope, receive, send)
+        head = head_bytes(scope)  # h11 bounds only a head that arrives in pieces; one read may bring more
+        if head > self.limits.max_head_bytes:
+            response = error_response(431, f"a request head of {head} bytes: the limit is {self.limits.max_head_bytes}")
             return await response(scope, receive, send)
         preflight = scope["method"] == "OPTIONS" and any(name == b"access-control-request-method"
                                                          for name, _ in headers)

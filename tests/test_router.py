@@ -281,7 +281,7 @@ def chat(server, messages, **extra):
 def metric(server, name: str, replica: int) -> float:
     text = httpx.get(server.url + "/metrics", timeout=TIMEOUT).text
     for line in text.splitlines():
-        if line.startswith(f'{name}{{replica="{replica}",'):
+        if line.startswith((f'{name}{{replica="{replica}"}}', f'{name}{{replica="{replica}",')):
             return float(line.split()[-1])
     raise AssertionError(f"no {name} for replica {replica} in /metrics")
 

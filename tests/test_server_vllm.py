@@ -326,3 +326,20 @@ def test_a_client_that_hangs_up_on_a_batch_frees_every_prompts_blocks(server):
     engine = server.engine.engine
     assert not engine.has_unfinished_requests() and not engine.output_processor.parents
     assert engine.kv_manager.pool.num_free == engine.kv_manager.pool.num_blocks
+
+
+def test_the_data_parallel_front_routes_a_batch_by_its_first_prompt(reference):
+    """The front end hashes the blocks of what the replica will run first; a batch goes to one replica."""
+    from minivllm.distributed.router import Router
+    from minivllm.entrypoints.openai.front import RouterFront
+    from minivllm.entrypoints.openai.guards import Limits
+
+    router = Router(2, "prefix-aware", 16)
+    front = RouterFront(["http://a", "http://b"], router, reference.tokenizer, Limits(), None)
+    text = CORPUS[:400]
+    alone = front.prompt_blocks(json.dumps({"prompt": text}).encode(), False, router)
+    assert len(alone) >= 4 and alone == router.hash(reference.tokenizer(text).input_ids)
+    batch = json.dumps({"prompt": [text, "ROMEO:"]}).encode()
+    ids = json.dumps({"prompt": [reference.tokenizer(text).input_ids, [1, 2]]}).encode()
+    assert front.prompt_blocks(batch, False, router) == alone == front.prompt_blocks(ids, False, router)
+    assert front.prompt_blocks(json.dumps({"prompt": []}).encode(), False, router) == []

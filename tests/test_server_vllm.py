@@ -150,6 +150,7 @@ def test_no_op_fields_are_accepted_and_change_nothing(server):
     ("/v1/completions", "response_format", {"type": "json_object"}), ("/v1/completions", "priority", 3),
     ("/v1/completions", "use_beam_search", True), ("/v1/completions", "suffix", "end"),
     ("/v1/completions", "best_of", 4), ("/v1/completions", "store", 1), ("/v1/completions", "metadata", True),
+    ("/v1/completions", "an\nunknown field", None),  # its log line stays one line
     ("/v1/completions", "prompt_logprobs", 2), ("/v1/completions", "bad_words", ["x"]),
     ("/v1/completions", "something_unknown", None),
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
@@ -161,8 +162,9 @@ def test_a_field_asking_for_what_minivllm_lacks_is_a_400_naming_it(server, path,
     with caplog.at_level(logging.INFO, logger="minivllm.entrypoints.openai"):
         status, body = post(server, path, {**base, field: value})
     assert status == 400 and body["error"]["param"] == field and field in body["error"]["message"], body
-    # goal 6: the server's log says why, naming the field
-    assert any(f"-> 400 (field {field!r})" in r.getMessage() and path in r.getMessage() for r in caplog.records)
+    # goal 6: the server's log says why, naming the field, on one line
+    lines = [r.getMessage() for r in caplog.records if f"-> 400 (field {field!r})" in r.getMessage()]
+    assert lines and path in lines[0] and "\n" not in lines[0]
 
 
 # ------------------------------------------------------------------ goal 6: stop_reason, usage per chunk, auth

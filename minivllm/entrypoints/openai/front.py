@@ -20,7 +20,7 @@ Whom to trust, per replica:
   event stream is open.
 
 A client that hangs up closes the proxied connection, so the replica aborts the request. `/v1/models`,
-`/tokenize`, `/detokenize` go to any live replica; `/health` is 200 while one is alive; `/metrics` is the
+`/tokenize`, `/detokenize` go to any live replica; `/health` (and `/ping`) is 200 while one is alive; `/metrics` is the
 router's counters followed by every live replica's metrics with a `replica` label (asked in parallel, each
 within `probe_timeout`).
 """
@@ -36,6 +36,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
+from minivllm import __version__
 from minivllm.distributed.kv_events import AllBlocksCleared, event_from_json
 from minivllm.distributed.router import Router, check_policy
 from minivllm.entrypoints.chat import chat_token_ids
@@ -374,6 +375,8 @@ def build_router_app(urls: list[str], policy: str = "prefix-aware", tokenizer=No
     for path, methods in [("/v1/models", ["GET", "HEAD"]), ("/tokenize", ["POST"]), ("/detokenize", ["POST"])]:
         app.add_api_route(path, front.any_replica, methods=methods)
     app.add_api_route("/health", health, methods=["GET", "HEAD"])
+    app.add_api_route("/ping", health, methods=["GET", "POST"])  # vLLM's (SageMaker's) health check
+    app.add_api_route("/version", lambda: {"version": __version__}, methods=["GET"])
     app.add_api_route("/metrics", front.metrics, methods=["GET", "HEAD"])
     if dev_mode:
         app.add_api_route("/reset_prefix_cache", front.reset_prefix_cache, methods=["POST"])

@@ -24,9 +24,10 @@ logger = logging.getLogger("minivllm.entrypoints.openai")
 def log_refusal(request, status: int, message: str, param: str | None) -> None:
     """One log line per 4xx, naming the field (vLLM logs what it refuses too): an operator sees why clients
     fail without asking them."""
-    if 400 <= status < 500:
-        logger.info("%s %s -> %d%s: %s", request.method, request.url.path, status,
-                       f" (field {param!r})" if param else "", message)
+    if 400 <= status < 500:  # one line, whatever the client put in the path or a value
+        one_line = lambda text: text.encode("unicode_escape").decode("ascii")  # noqa: E731
+        logger.info("%s %s -> %d%s: %s", request.method, one_line(request.url.path), status,
+                    f" (field {param!r})" if param else "", one_line(message))
 
 
 def bearer_matches(header: bytes, api_key: str) -> bool:

@@ -121,14 +121,14 @@ class KVEventPublisher:
             self.subscribers.remove(subscriber)
 
 
-def build_replica_app(llm, model_name: str = "minivllm", api_key: str | None = None, limits: Limits = Limits(),
-                      dev_mode: bool | None = None):
+def build_replica_app(llm, model_name: str | list[str] = "minivllm", api_key: str | None = None,
+                      limits: Limits = Limits(), dev_mode: bool | None = None, model_path: str | None = None):
     """Chapter 10's app for `llm` (built with its KV events on), plus /kv_events, and /reset_prefix_cache in
     development mode."""
     if not llm.engine.config.enable_kv_cache_events:
         raise ValueError("a replica publishes KV events: build its LLM with "
                          'kv_events_config={"enable_kv_cache_events": True}')
-    app = build_app(llm, model_name, api_key, limits)
+    app = build_app(llm, model_name, api_key, limits, model_path)
     publisher = app.state.kv_events = KVEventPublisher(llm.engine.kv_event_queue, llm.engine.config.block_size)
     engine = app.state.serving.engine  # the AsyncLLM: its turns are the only code that touches the engine
 
@@ -173,13 +173,16 @@ def replica_main(argv=None) -> int:
 
     from minivllm import LLM
     from minivllm.entrypoints.openai.launcher import bind, uvicorn_config
+    from minivllm.model.loader import DEFAULT_MODEL
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    llm = LLM(**json.loads(args.llm_kwargs), kv_events_config={"enable_kv_cache_events": True})
+    llm_kwargs = json.loads(args.llm_kwargs)
+    llm = LLM(**llm_kwargs, kv_events_config={"enable_kv_cache_events": True})
     limits = Limits()
+    model_path = llm_kwargs.get("model") or str(DEFAULT_MODEL)  # the model cards' root, as vLLM's
     app = build_replica_app(llm, args.served_model_name, os.environ.get("MINIVLLM_API_KEY") or None, limits,
-                            dev_mode=args.dev_mode)
+                            dev_mode=args.dev_mode, model_path=model_path)
     sock = bind(args.host, 0)
     print(f"minivllm replica {args.rank} serving on http://{args.host}:{sock.getsockname()[1]}", flush=True)
     server = uvicorn.Server(uvicorn_config(app, limits, log_level="warning"))

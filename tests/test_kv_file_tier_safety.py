@@ -28,6 +28,8 @@ from minivllm.kv_offload.file_safety import KEY_NAME, mac
 from minivllm.kv_offload.file_tier import MAGIC, FileTier, block_header, encode_block, kv_identity
 from minivllm.model.loader import DEFAULT_MODEL, load_model
 
+pytestmark = pytest.mark.filterwarnings("ignore:KV file tier:RuntimeWarning")  # each refusal is said; asserted below
+
 SHAPE, DTYPE = (2, 3), torch.float32
 BLOCK = torch.arange(6.0).view(SHAPE)
 H = bytes(range(32))  # a block hash

@@ -372,6 +372,22 @@ def test_a_hang_up_aborts_on_the_replica(cluster, stream):
     assert all(metric(cluster, "vllm:kv_cache_usage_perc", r) == 0 for r in range(2))
 
 
+def test_vllm_clients_see_the_front_as_one_vllm_server(cluster):
+    """Issue 40 through the data-parallel front: model cards with the model's root (what `vllm bench serve`
+    reads without --model), /ping and /version, and a batch of prompts answered by one replica."""
+    import minivllm
+    from minivllm.model.loader import DEFAULT_MODEL
+
+    cards = httpx.get(cluster.url + "/v1/models", timeout=TIMEOUT).json()["data"]
+    assert [(card["id"], card["root"]) for card in cards] == [("minivllm", str(DEFAULT_MODEL))]
+    assert httpx.get(cluster.url + "/ping", timeout=TIMEOUT).status_code == 200
+    assert httpx.post(cluster.url + "/ping", timeout=TIMEOUT).status_code == 200
+    assert httpx.get(cluster.url + "/version", timeout=TIMEOUT).json() == {"version": minivllm.__version__}
+    answer = httpx.post(cluster.url + "/v1/completions", timeout=TIMEOUT,
+                        json={"prompt": [CORPUS[:200], "ROMEO:"], "n": 2, "max_tokens": 3, "ignore_eos": True})
+    assert answer.status_code == 200 and [c["index"] for c in answer.json()["choices"]] == [0, 1, 2, 3]
+
+
 def test_a_dead_replica_is_avoided_then_a_clean_503(cluster):
     """Last in the file: it kills the cluster's replicas."""
     victim = cluster.replicas.processes[1]
@@ -454,19 +470,3 @@ def test_kv_events_compose_with_tensor_parallelism():
         assert index.blocks[0] == Counter({h: len(pool.cached.copies(h)) for h in pool.cached}) and index.blocks[0]
     finally:
         llm.shutdown()
-
-
-def test_vllm_clients_see_the_front_as_one_vllm_server(cluster):
-    """Issue 40 through the data-parallel front: model cards with the model's root (what `vllm bench serve`
-    reads without --model), /ping and /version, and a batch of prompts answered by one replica."""
-    import minivllm
-    from minivllm.model.loader import DEFAULT_MODEL
-
-    cards = httpx.get(cluster.url + "/v1/models", timeout=TIMEOUT).json()["data"]
-    assert [(card["id"], card["root"]) for card in cards] == [("minivllm", str(DEFAULT_MODEL))]
-    assert httpx.get(cluster.url + "/ping", timeout=TIMEOUT).status_code == 200
-    assert httpx.post(cluster.url + "/ping", timeout=TIMEOUT).status_code == 200
-    assert httpx.get(cluster.url + "/version", timeout=TIMEOUT).json() == {"version": minivllm.__version__}
-    answer = httpx.post(cluster.url + "/v1/completions", timeout=TIMEOUT,
-                        json={"prompt": [CORPUS[:200], "ROMEO:"], "n": 2, "max_tokens": 3, "ignore_eos": True})
-    assert answer.status_code == 200 and [c["index"] for c in answer.json()["choices"]] == [0, 1, 2, 3]

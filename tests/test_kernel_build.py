@@ -34,7 +34,9 @@ AVX512 = frozenset(set().union(*(build.ISA_NEEDS[level] for level in ("avx2", "a
 
 
 def run_python(code: str, **env) -> list[str]:
-    environment = {**os.environ, **env}
+    """`code` in a fresh Python with `env` on top of this one's, MINIVLLM_CPU_KERNELS unset unless given: these
+    tests are about the build itself, whatever path the run around them forces."""
+    environment = {**{k: v for k, v in os.environ.items() if k != "MINIVLLM_CPU_KERNELS"}, **env}
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                           env=environment, timeout=600)
     assert done.returncode == 0, done.stderr
@@ -157,6 +159,7 @@ def test_a_compile_error_shows_the_compilers_message_and_is_not_retried(tmp_path
     (sources / "broken.cpp").write_text("#include <torch/extension.h>\nint broken() { return undeclared_name; }\n")
     compiler, log = counting_compiler(tmp_path)
     monkeypatch.setattr(build, "CSRC", sources)
+    monkeypatch.delenv("MINIVLLM_CPU_KERNELS", raising=False)
     monkeypatch.setenv("CXX", compiler)
     monkeypatch.setenv("MINIVLLM_KERNEL_CACHE", str(tmp_path / "cache"))
     with pytest.raises(KernelBuildError, match="broken.cpp did not compile") as first:

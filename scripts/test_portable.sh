@@ -16,6 +16,8 @@ NBVAL=(--nbval --nbval-sanitize-with tests/nbval_sanitize.cfg)
 export TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
 summary=()
 failed=0
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
 
 run_path() {  # run_path LABEL ENV... -- PYTEST_ARGS...
   local label=$1 started=$SECONDS
@@ -26,9 +28,9 @@ run_path() {  # run_path LABEL ENV... -- PYTEST_ARGS...
   echo "=== $label: ${envs[*]}"
   env "${envs[@]}" "$PY" -m minivllm.kernels || true
   local status=0
-  env "${envs[@]}" "${PYTEST[@]}" "$@" | tee .test_portable.log || status=$?
+  env "${envs[@]}" "${PYTEST[@]}" "$@" | tee "$log" || status=$?
   [ "$status" = 0 ] || failed=1
-  summary+=("$label (${envs[*]}): $(tail -n 1 .test_portable.log | tr -d '=') in $((SECONDS - started)) s")
+  summary+=("$label (${envs[*]}): $(tail -n 1 "$log" | tr -d '=') in $((SECONDS - started)) s")
 }
 
 levels=$("$PY" -c "from minivllm.kernels.build import ISA_LEVELS, isa_level
@@ -54,6 +56,5 @@ if command -v clang++ >/dev/null 2>&1; then
 else
   summary+=("clang: NOT RUN (no clang++ on PATH, and it could not be installed here)")
 fi
-rm -f .test_portable.log
 printf '%s\n' "" "make test-portable:" "${summary[@]/#/  }"
 exit "$failed"

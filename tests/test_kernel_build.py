@@ -231,3 +231,24 @@ def test_the_kernels_work_at_every_level_this_cpu_has():
     for level in {"portable", levels[-1]}:  # the two ends: every level in between is another #if of the same loops
         got = load_kernel("cpu_gemv", isa=level).gemv_f32(x, w).double()
         assert (got - exact).abs().max() <= 2 ** -20 * exact.abs().max(), level
+
+
+def test_a_layer_gets_its_kernel_without_a_new_lookup_per_call(monkeypatch):
+    """A decode step calls the GEMV 211 times on SmolLM2: the module is kept once found, not looked up (reading
+    the CPU's flags, hashing sources) at every call."""
+    from torch import nn
+
+    from minivllm.kernels import cpu_gemv
+    from minivllm.kernels.cpu_gemv import GemvLinear, load_cpu_gemv
+
+    if kernel_missing(load_cpu_gemv):
+        pytest.skip("no C++ compiler here, or the kernels are off")
+    layer = GemvLinear.sharing(nn.Linear(64, 8))
+    want = layer(torch.ones(1, 64))
+
+    def looked_up_again(*args, **kwargs):
+        raise AssertionError("load_kernel called again")
+
+    monkeypatch.setattr(cpu_gemv, "load_kernel", looked_up_again)
+    monkeypatch.setattr(build, "cpu_flags", looked_up_again)
+    assert torch.equal(layer(torch.ones(1, 64)), want)

@@ -14,6 +14,7 @@ One compiler call per kernel, no ninja and no change to the process environment:
   dies (a Jupyter restart mid-build leaves no stale lock), and the library is moved into place whole.
 """
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -54,6 +55,7 @@ class KernelBuildError(KernelUnavailable):
     """The compiler ran and failed: its message is in the error's text."""
 
 
+@functools.cache  # the CPU does not change under a running process
 def cpu_flags() -> frozenset[str]:
     """The instruction-set flags this CPU reports (Linux's /proc/cpuinfo); elsewhere, the level torch detected."""
     try:

@@ -10,7 +10,8 @@ registered with `@exercise("<NN>.<name>")`; `EXERCISES` lists them all.
 Randomised cases draw from `case_random(...)`, seeded by the environment variable MINIVLLM_CHECK_SEED (0 when
 unset): a grader reruns them with another seed (`python -m minivllm grade --seed N`), so an answer that
 hard-codes the cases a notebook printed fails. When MINIVLLM_CHECK_RECORD names a file, `check` also appends
-one JSON line per call to it ({"name", "passed", "report"}): that is how the grader collects results.
+one JSON line per call to it ({"name", "passed", "report"}). The grader does not read it (a notebook can write
+that file too): it runs each answer's check again itself, in a fresh process (minivllm.tools.grade).
 
 A test may also `note(...)` a line that is a report, not a verdict (the speed of the reader's kernel against
 the engine's): it follows the test's own line, marked ⏱. `verdict(name)` is the last call's summary line without

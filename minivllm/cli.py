@@ -65,14 +65,16 @@ def serve(args) -> int:
 
         llm_kwargs = EngineArgs.from_cli_args(args).llm_kwargs()
         try:
-            run_dp_server(args.data_parallel_size, args.router, llm_kwargs, args.host, args.port, names, api_key)
+            run_dp_server(args.data_parallel_size, args.router, llm_kwargs, args.host, args.port, names, api_key,
+                          enable_prompt_tokens_details=args.enable_prompt_tokens_details)
         except KeyboardInterrupt:
             pass
         return 0
     llm = LLM(**EngineArgs.from_cli_args(args).llm_kwargs())
     try:
         run_server(llm, args.host, args.port, names, api_key=api_key, model_path=model_path,
-                   access_log=not args.disable_uvicorn_access_log)
+                   access_log=not args.disable_uvicorn_access_log,
+                   enable_prompt_tokens_details=args.enable_prompt_tokens_details)
     except KeyboardInterrupt:
         pass
     return 0
@@ -179,6 +181,9 @@ def main(argv=None) -> int:
                         help="require 'Authorization: Bearer KEY' on every path but /health and /ping, /metrics "
                              "included (default: $MINIVLLM_API_KEY, else $VLLM_API_KEY, else none)")
     server.add_argument("--disable-uvicorn-access-log", action="store_true", help="no line per request on stdout")
+    server.add_argument("--enable-prompt-tokens-details", action="store_true",  # vLLM's, off by default as there
+                        help="report usage.prompt_tokens_details.cached_tokens (off: a client could learn from it "
+                             "whether another client's prompt is cached)")
     server.add_argument("--data-parallel-size", "-dp", type=bounded_int(1), default=1,
                         help="engine replicas, each in its own process, behind one endpoint (chapter 12)")
     server.add_argument("--router", choices=["round-robin", "least-loaded", "prefix-aware"], default="prefix-aware",

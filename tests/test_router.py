@@ -265,7 +265,9 @@ def test_no_replica_reachable_is_a_clean_503():
 def cluster():
     from minivllm.entrypoints.openai.dp_server import DataParallelServer
 
-    server = DataParallelServer(2, "prefix-aware", llm_kwargs={"num_kv_blocks": 256, "max_num_seqs": 8}, threads=1)
+    # cached_tokens asked for (vLLM's --enable-prompt-tokens-details); no restarts: the last test kills the replicas
+    server = DataParallelServer(2, "prefix-aware", llm_kwargs={"num_kv_blocks": 256, "max_num_seqs": 8}, threads=1,
+                                enable_prompt_tokens_details=True, max_restarts=0)
     with server:
         yield server
     assert all(p.poll() is not None for p in server.replicas.processes)  # no orphans
@@ -417,7 +419,11 @@ def test_the_api_key_guards_the_front_end_and_reaches_the_replicas():
         key = {"Authorization": "Bearer k3y"}
         assert httpx.post(server.url + "/v1/completions", json=body, headers=key, timeout=TIMEOUT).status_code == 200
         assert httpx.post(server.replicas.urls[0] + "/v1/completions", json=body, timeout=TIMEOUT).status_code == 401
-        assert server.front.router.alive == [True]  # its event stream, with the key, is open
+        assert server.front.router.alive == [True]  # its event stream, with the operator key, is open
+        for client_key in ({}, key):  # /kv_events names every tenant's blocks: never for a client (issue 41)
+            with httpx.stream("GET", server.replicas.urls[0] + "/kv_events", headers=client_key,
+                              timeout=TIMEOUT) as answer:
+                assert answer.status_code == 401
 
 
 def test_replicas_exit_when_their_front_end_is_killed():

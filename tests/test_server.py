@@ -45,7 +45,8 @@ def reference():
 
 @pytest.fixture(scope="module")
 def server(llm):
-    with BackgroundServer(llm, limits=Limits(header_timeout=3.0)) as running:
+    # cached_tokens asked for, as vLLM's --enable-prompt-tokens-details (test_serving_health.py: off by default)
+    with BackgroundServer(llm, limits=Limits(header_timeout=3.0), enable_prompt_tokens_details=True) as running:
         yield running
 
 

@@ -5,12 +5,13 @@
     guards.py      Limits, the outermost guard (header count, API key, OPTIONS), bounded body reading, hang-ups
     api_server.py  the FastAPI app (`build_app`): routes and handlers
     metrics.py     Prometheus metrics
+    health.py      "can serve": why the engine cannot (`/health` 503), and the watchdog that stops a dead server
     launcher.py    uvicorn: `run_server` (python -m minivllm serve), `ThreadedUvicorn`, `BackgroundServer`
 
 Data parallelism (chapter 12), one job per module:
 
-    replica.py     one replica process: chapter 10's app with its KV events published (`/kv_events`)
-    supervisor.py  the replica processes: start, announce, stop
+    replica.py     one replica process: chapter 10's app with its KV events published (`/kv_events`, operator key)
+    supervisor.py  the replica processes: start, announce, restart one that exits (bounded), stop
     front.py       the front end: route, proxy, follow KV events, probe liveness
     dp_server.py   the launchers: `DataParallelServer`, `run_dp_server`
 """

@@ -10,7 +10,7 @@ Endpoints:
     POST /v1/chat/completions   OpenAI's chat completions, through the model's chat template
     GET  /v1/models             vLLM's model cards, one per served name (`root`: the model loaded)
     POST /tokenize, /detokenize as vLLM's
-    GET  /health, /ping         200 while the server serves; never need the API key
+    GET  /health, /ping         200 while the engine can serve, else 503 naming why (health.py); no API key
     GET  /version               {"version": minivllm's}
     GET  /metrics               Prometheus text format (minivllm/entrypoints/openai/metrics.py)
 
@@ -23,8 +23,9 @@ alternatives; chat: true, with `top_logprobs` 0 to 20), `cache_salt`, `stream`, 
 (`include_usage`, and `continuous_usage_stats`: usage in every chunk), `user` (ignored). OpenAI's and vLLM's
 other fields are accepted at a value that asks for nothing (`echo: false`, `tools: null`, ...; the list is
 `VLLMNoOps` in protocol.py) and refused by name otherwise; an unknown field is a 400 naming it. Choices carry
-vLLM's `stop_reason`; `usage.prompt_tokens_details.cached_tokens` reports the prompt tokens served from the
-prefix cache. Each 4xx is logged with the field it names (logger `minivllm.entrypoints.openai`).
+vLLM's `stop_reason`; `usage.prompt_tokens_details.cached_tokens` (the prompt tokens served from the prefix cache)
+only with `enable_prompt_tokens_details` (vLLM's --enable-prompt-tokens-details), else null. Each 4xx is
+logged with the field it names (logger `minivllm.entrypoints.openai`).
 
 Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`; a 4xx names the field in
 `param` where there is one. A request never reaches the engine unless it is valid.
@@ -74,6 +75,7 @@ from minivllm.engine.async_llm import AsyncLLM
 from minivllm.entrypoints.chat import render_chat_template
 from minivllm.entrypoints.openai.guards import (GuardMiddleware, Limits, error_response, log_refusal, read_body,
                                                until_disconnect)
+from minivllm.entrypoints.openai.health import engine_problem
 from minivllm.entrypoints.openai.metrics import ServerMetrics
 from minivllm.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                                   DetokenizeRequest, TokenizeRequest, error_body,
@@ -107,8 +109,9 @@ def check_request_tokens(params, prompt_lens: list[int], max_model_len: int, lim
 class OpenAIServing:
     """The route handlers."""
 
-    def __init__(self, llm, model_names: list[str], limits: Limits, model_path: str | None = None):
-        self.engine = AsyncLLM(llm)
+    def __init__(self, llm, model_names: list[str], limits: Limits, model_path: str | None = None,
+                 prompt_details: bool = False):
+        self.engine, self.prompt_details = AsyncLLM(llm), prompt_details
         self.tokenizer, self.model_names, self.limits = llm.tokenizer, model_names, limits
         self.model_name, self.model_path = model_names[0], model_path or model_names[0]
         self.max_model_len = llm.engine.config.max_model_len
@@ -168,6 +171,8 @@ class OpenAIServing:
         """Each prompt a request of the engine; the answer has prompts x n choices, prompt i's choice j at
         index i * n + j. Every prompt is checked before any reaches the engine."""
         params = to_sampling_params(request)
+        if (problem := engine_problem(self.engine)) is not None:
+            raise APIError(503, f"the engine cannot serve: {problem}")
         check_request_tokens(params, [len(ids) for ids, _ in prompts], self.max_model_len, self.limits)
         for i, (token_ids, _) in enumerate(prompts):
             try:
@@ -207,7 +212,7 @@ class OpenAIServing:
                        | {"finish_reason": c.finish_reason, "stop_reason": self.responses.stop_reason(c, params)}
                        for i, final in enumerate(finals) for c in final.outputs]
             return JSONResponse({**header, "object": "chat.completion" if chat else "text_completion",
-                                 "choices": choices, "usage": usage(finals)})
+                                 "choices": choices, "usage": usage(finals, self.prompt_details)})
 
         return await self.off_loop(answer)
 
@@ -271,7 +276,7 @@ class OpenAIServing:
             for stream in streams:  # which aborts those still running
                 await stream.aclose()
         if include_usage and all(f is not None for f in finals):
-            yield event({**header, "object": kind, "choices": [], "usage": usage(finals)})
+            yield event({**header, "object": kind, "choices": [], "usage": usage(finals, self.prompt_details)})
         yield "data: [DONE]\n\n"
 
     # ------------------------------------------------------------------ the rest of vLLM's endpoints
@@ -326,14 +331,16 @@ class ClosingStreamingResponse(StreamingResponse):
 
 
 def build_app(llm, model_name: str | list[str] = "minivllm", api_key: str | None = None, limits: Limits = Limits(),
-              model_path: str | None = None) -> FastAPI:
+              model_path: str | None = None, enable_prompt_tokens_details: bool = False,
+              path_keys: dict[str, str] | None = None) -> FastAPI:
     """The FastAPI app serving `llm` (an `LLM`) under `model_name` (one name or several, as vLLM's
     --served-model-name: the first is the one responses carry); `model_path` is the cards' `root` (default:
-    the first name). `app.state.serving.engine` is its AsyncLLM."""
+    the first name). `path_keys`: paths that need another key than `api_key` (a replica's operator key for
+    /kv_events). `app.state.serving.engine` is its AsyncLLM."""
     names = [model_name] if isinstance(model_name, str) else list(model_name)
     if not names or not all(names):
         raise ValueError(f"model_name: {model_name!r}: one or more non-empty names")
-    serving = OpenAIServing(llm, names, limits, model_path)
+    serving = OpenAIServing(llm, names, limits, model_path, enable_prompt_tokens_details)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -349,8 +356,9 @@ def build_app(llm, model_name: str | list[str] = "minivllm", api_key: str | None
     app.add_api_route("/tokenize", serving.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", serving.detokenize, methods=["POST"])
 
-    async def health():
-        return Response(status_code=200)
+    async def health():  # vLLM's: 503 once the engine is dead
+        problem = engine_problem(serving.engine)
+        return Response(status_code=200) if problem is None else error_response(503, f"engine dead: {problem}")
 
     async def version():
         return {"version": __version__}
@@ -386,5 +394,5 @@ def build_app(llm, model_name: str | list[str] = "minivllm", api_key: str | None
         return error_response(500, f"{type(error).__name__}: {error}")
 
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
-    app.add_middleware(GuardMiddleware, router=app.router, limits=limits, api_key=api_key)
+    app.add_middleware(GuardMiddleware, router=app.router, limits=limits, api_key=api_key, path_keys=path_keys)
     return app

@@ -56,17 +56,21 @@ class DataParallelServer:
             ... talk to server.url ...
 
     `front_options` go to the front end (`RouterFront`: the liveness probe's interval, timeout and failures).
+    A replica whose process exits is restarted, at most `max_restarts` times (supervisor.py). Usage carries
+    `prompt_tokens_details` only with `enable_prompt_tokens_details` (vLLM's --enable-prompt-tokens-details).
     """
 
     def __init__(self, size: int, policy: str = "prefix-aware", llm_kwargs: dict | None = None, model=None,
                  model_name: str = "minivllm", api_key: str | None = None, host: str = "127.0.0.1", port: int = 0,
-                 threads: int | None = None, dev_mode: bool | None = None, **front_options):
+                 threads: int | None = None, dev_mode: bool | None = None, enable_prompt_tokens_details: bool = False,
+                 max_restarts: int = 3, **front_options):
         check_policy(policy)
         check_data_parallel_size(size)
         llm_kwargs = dict(llm_kwargs or {}) | ({"model": model} if model is not None else {})
         self.host, self.port, self.policy = host, port, policy
         self.size, self.llm_kwargs, self.model_name, self.api_key = size, llm_kwargs, model_name, api_key
         self.threads, self.front_options = threads, front_options
+        self.prompt_details, self.max_restarts = enable_prompt_tokens_details, max_restarts
         self.dev_mode = dev_mode_from_environment() if dev_mode is None else dev_mode
         self.replicas: Replicas | None = None
         self._uvicorn = None
@@ -76,11 +80,13 @@ class DataParallelServer:
 
         tokenizer = front_tokenizer(self.llm_kwargs.get("model"))
         self.replicas = Replicas(self.size, self.llm_kwargs, self.model_name, self.api_key, self.threads,
-                                 dev_mode=self.dev_mode)
+                                 dev_mode=self.dev_mode, enable_prompt_tokens_details=self.prompt_details,
+                                 max_restarts=self.max_restarts)
         try:
             limits = Limits()
             self.app = build_router_app(self.replicas.urls, self.policy, tokenizer, self.block_size, self.api_key,
-                                        limits, self.dev_mode, **self.front_options)
+                                        limits, self.dev_mode, operator_key=self.replicas.operator_key,
+                                        **self.front_options)
             self.front: RouterFront = self.app.state.front
             self._uvicorn = ThreadedUvicorn(self.app, limits, self.host, self.port, name="minivllm-router")
             self.port = self._uvicorn.port
@@ -88,6 +94,7 @@ class DataParallelServer:
             deadline = time.monotonic() + 60
             while not all(self.front.router.alive) and time.monotonic() < deadline:
                 time.sleep(0.01)  # every event stream open: the index starts from the truth
+            self.replicas.supervise()
         except BaseException:
             self.replicas.stop()
             raise
@@ -136,7 +143,8 @@ class DataParallelServer:
 
 
 def run_dp_server(size: int, policy: str, llm_kwargs: dict, host: str = "127.0.0.1", port: int = 8000,
-                  model_name: str = "minivllm", api_key: str | None = None) -> None:
+                  model_name: str = "minivllm", api_key: str | None = None,
+                  enable_prompt_tokens_details: bool = False) -> None:
     """`python -m minivllm serve --data-parallel-size N`: until interrupted."""
     import uvicorn
 
@@ -146,11 +154,13 @@ def run_dp_server(size: int, policy: str, llm_kwargs: dict, host: str = "127.0.0
     check_data_parallel_size(size)
     dev_mode = dev_mode_from_environment()
     tokenizer = front_tokenizer(llm_kwargs.get("model"))
-    replicas = Replicas(size, llm_kwargs, model_name, api_key, dev_mode=dev_mode)
+    replicas = Replicas(size, llm_kwargs, model_name, api_key, dev_mode=dev_mode,
+                        enable_prompt_tokens_details=enable_prompt_tokens_details)
     try:
         limits = Limits()
         app = build_router_app(replicas.urls, policy, tokenizer, llm_kwargs.get("block_size", 16), api_key, limits,
-                               dev_mode)
+                               dev_mode, operator_key=replicas.operator_key)
+        replicas.supervise()
         sock = bind(host, port)
         names = model_name if isinstance(model_name, str) else ", ".join(model_name)
         print(f"minivllm serving {names!r} on http://{host}:{sock.getsockname()[1]}/v1 with {size} replicas "

@@ -14,10 +14,11 @@ Whom to trust, per replica:
   snapshot; the follower never dies of a line, and never clears the index on a guess;
 - **liveness**: a probe asks `/health` every `probe_interval` seconds, with a `probe_timeout`. After
   `probe_failures` failures in a row (a process stopped with SIGSTOP still accepts connections, but answers
-  nothing) the replica is marked down: it gets no requests, its in-flight requests end at once with a 503
-  (an error event mid-stream) and may be retried, and its event stream is closed. When it answers again it
-  is marked up, and its event stream reopens with a snapshot. A replica is routed to while it is up and its
-  event stream is open.
+  nothing; a replica whose engine is dead answers 503) the replica is marked down: it gets no requests, its
+  in-flight requests end at once with a 503 (an error event mid-stream) and may be retried, and its event
+  stream is closed. When it answers again it is marked up (at the URL the supervisor gives a restarted one),
+  and its event stream reopens with a snapshot. A replica is routed to while it is up and its event stream
+  (opened with the replicas' operator key, never the client's) is open.
 
 A client that hangs up closes the proxied connection, so the replica aborts the request. `/v1/models`,
 `/tokenize`, `/detokenize` go to any live replica; `/health` (and `/ping`) is 200 while one is alive; `/metrics` is the
@@ -72,9 +73,10 @@ class RouterFront:
 
     def __init__(self, urls: list[str], router: Router, tokenizer, limits: Limits, api_key: str | None,
                  probe_interval: float = 0.5, probe_timeout: float = 2.0, probe_failures: int = 3,
-                 read_timeout: float = 300.0):
-        self.urls, self.router, self.tokenizer, self.limits = urls, router, tokenizer, limits
-        self.auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+                 read_timeout: float = 300.0, operator_key: str | None = None):
+        self.urls, self.router, self.tokenizer, self.limits = urls, router, tokenizer, limits  # urls: shared with
+        self.auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}  # the supervisor, which restarts
+        self.operator_auth = {"Authorization": f"Bearer {operator_key}"} if operator_key else {}  # /kv_events
         self.probe_interval, self.probe_timeout, self.probe_failures = probe_interval, probe_timeout, probe_failures
         self.read_timeout = read_timeout
         size = len(urls)
@@ -154,7 +156,7 @@ class RouterFront:
         """One `/kv_events` stream; returns at a line it cannot read, so that the next stream resyncs."""
         timeout = httpx.Timeout(connect=10, read=None, write=10, pool=None)
         url = self.urls[replica] + "/kv_events"
-        async with self.client.stream("GET", url, headers=self.auth, timeout=timeout) as answer:
+        async with self.client.stream("GET", url, headers=self.operator_auth, timeout=timeout) as answer:
             if answer.status_code != 200:
                 self.following[replica] = False
                 self._update(replica)
@@ -348,7 +350,7 @@ def build_router_app(urls: list[str], policy: str = "prefix-aware", tokenizer=No
                      api_key: str | None = None, limits: Limits = Limits(), dev_mode: bool = False,
                      **front_options) -> FastAPI:
     """The front end for replicas at `urls`; `app.state.front` is its RouterFront. `front_options`: the probe's
-    and the proxy's timeouts (RouterFront's keyword arguments)."""
+    and the proxy's timeouts, the replicas' operator key (RouterFront's keyword arguments)."""
     check_policy(policy)
     front = RouterFront(urls, Router(len(urls), policy, block_size), tokenizer, limits, api_key, **front_options)
 

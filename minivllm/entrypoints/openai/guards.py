@@ -66,8 +66,9 @@ class GuardMiddleware:
 
     OPEN_PATHS = ("/health", "/ping")
 
-    def __init__(self, app, router, limits: Limits, api_key: str | None):
+    def __init__(self, app, router, limits: Limits, api_key: str | None, path_keys: dict[str, str] | None = None):
         self.app, self.router, self.limits, self.api_key = app, router, limits, api_key
+        self.path_keys = path_keys or {}  # a path here needs its own key (and not api_key), even without api_key
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -82,9 +83,11 @@ class GuardMiddleware:
             return await response(scope, receive, send)
         preflight = scope["method"] == "OPTIONS" and any(name == b"access-control-request-method"
                                                          for name, _ in headers)
-        if self.api_key is not None and not preflight and scope["path"] not in self.OPEN_PATHS:
-            if not bearer_matches(dict(headers).get(b"authorization", b""), self.api_key):
-                response = error_response(401, "missing or wrong API key: send Authorization: Bearer <key>",
+        key = self.path_keys.get(scope["path"], self.api_key)
+        if key is not None and not preflight and scope["path"] not in self.OPEN_PATHS:
+            if not bearer_matches(dict(headers).get(b"authorization", b""), key):
+                what = "operator key" if scope["path"] in self.path_keys else "API key"
+                response = error_response(401, f"missing or wrong {what}: send Authorization: Bearer <key>",
                                           headers={"WWW-Authenticate": "Bearer"})
                 return await response(scope, receive, send)
         if scope["method"] == "OPTIONS" and not preflight:

@@ -91,13 +91,16 @@ def bind(host: str, port: int) -> socket.socket:
 
 def run_server(llm, host: str = "127.0.0.1", port: int = 8000, model_name: str | list[str] = "minivllm",
                api_key: str | None = None, limits: Limits = Limits(), access_log: bool = True,
-               model_path: str | None = None) -> None:
-    """`python -m minivllm serve`: until interrupted."""
-    app = build_app(llm, model_name, api_key, limits, model_path)
+               model_path: str | None = None, enable_prompt_tokens_details: bool = False) -> None:
+    """`python -m minivllm serve`: until interrupted, or until its engine is dead (as vLLM's watchdog)."""
+    from minivllm.entrypoints.openai.health import exit_when_dead
+
+    app = build_app(llm, model_name, api_key, limits, model_path, enable_prompt_tokens_details)
     sock = bind(host, port)
     names = ", ".join(map(repr, app.state.serving.model_names))
     print(f"minivllm serving {names} on http://{host}:{sock.getsockname()[1]}/v1", flush=True)
     server = uvicorn.Server(uvicorn_config(app, limits, log_level="info", access_log=access_log))
+    exit_when_dead(server, app.state.serving.engine)
     try:
         asyncio.run(server.serve(sockets=[sock]))
     finally:
@@ -152,8 +155,9 @@ class BackgroundServer:
     """
 
     def __init__(self, llm, host: str = "127.0.0.1", port: int = 0, model_name: str | list[str] = "minivllm",
-                 api_key: str | None = None, limits: Limits = Limits(), model_path: str | None = None):
-        self.app = build_app(llm, model_name, api_key, limits, model_path)
+                 api_key: str | None = None, limits: Limits = Limits(), model_path: str | None = None,
+                 enable_prompt_tokens_details: bool = False):
+        self.app = build_app(llm, model_name, api_key, limits, model_path, enable_prompt_tokens_details)
         self.engine = self.app.state.serving.engine  # its AsyncLLM
         self._uvicorn = ThreadedUvicorn(self.app, limits, host, port)
         self.host, self.port = self._uvicorn.host, self._uvicorn.port

@@ -7,7 +7,11 @@ Its extra routes:
     GET  /kv_events            the KV events as JSON lines (minivllm/distributed/kv_events.py), which the
                                engine's block pool records (LLM(kv_events_config={"enable_kv_cache_events":
                                True})): first a snapshot (AllBlocksCleared, then one BlockStored naming every
-                               named block, each copy once), then every event as it happens
+                               named block, each copy once), then every event as it happens. Only for the
+                               operator key (`operator_key`; the supervisor makes one per cluster and hands it to
+                               the front end), never for the client key: the events name every tenant's prompt
+                               blocks (vLLM publishes them on a ZMQ socket, `KVEventsConfig.endpoint` in
+                               vllm/config/kv_events.py, which no API route serves)
     POST /reset_prefix_cache   development mode only (`dev_mode`, or MINIVLLM_SERVER_DEV_MODE=1, as vLLM's
                                VLLM_SERVER_DEV_MODE): forget every cached block, in the engine loop's next turn;
                                409 while requests run. Without dev mode the route does not exist (404)
@@ -23,6 +27,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import sys
 import threading
 import time
@@ -37,6 +42,7 @@ from minivllm.entrypoints.openai.protocol import APIError
 
 MAX_BACKLOG = 4096  # lines per subscriber before it is resynchronised from a snapshot
 DEV_MODE_VARIABLE = "MINIVLLM_SERVER_DEV_MODE"
+OPERATOR_KEY_VARIABLE = "MINIVLLM_OPERATOR_KEY"  # how the supervisor hands a replica its operator key
 
 
 def dev_mode_from_environment() -> bool:
@@ -122,13 +128,19 @@ class KVEventPublisher:
 
 
 def build_replica_app(llm, model_name: str | list[str] = "minivllm", api_key: str | None = None,
-                      limits: Limits = Limits(), dev_mode: bool | None = None, model_path: str | None = None):
-    """Chapter 10's app for `llm` (built with its KV events on), plus /kv_events, and /reset_prefix_cache in
-    development mode."""
+                      limits: Limits = Limits(), dev_mode: bool | None = None, model_path: str | None = None,
+                      operator_key: str | None = None, enable_prompt_tokens_details: bool = False):
+    """Chapter 10's app for `llm` (built with its KV events on), plus /kv_events (for `operator_key` only: a
+    random one, `app.state.operator_key`, if none is given), and /reset_prefix_cache in development mode."""
     if not llm.engine.config.enable_kv_cache_events:
         raise ValueError("a replica publishes KV events: build its LLM with "
                          'kv_events_config={"enable_kv_cache_events": True}')
-    app = build_app(llm, model_name, api_key, limits, model_path)
+    operator_key = operator_key or secrets.token_urlsafe(32)
+    if operator_key == api_key:
+        raise ValueError("operator_key: the same as the client API key; /kv_events needs a key of its own")
+    app = build_app(llm, model_name, api_key, limits, model_path, enable_prompt_tokens_details,
+                    path_keys={"/kv_events": operator_key})
+    app.state.operator_key = operator_key
     publisher = app.state.kv_events = KVEventPublisher(llm.engine.kv_event_queue, llm.engine.config.block_size)
     engine = app.state.serving.engine  # the AsyncLLM: its turns are the only code that touches the engine
 
@@ -165,6 +177,7 @@ def replica_main(argv=None) -> int:
     parser.add_argument("--served-model-name", nargs="+", default=["minivllm"])
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--dev-mode", action="store_true", help="serve /reset_prefix_cache")
+    parser.add_argument("--enable-prompt-tokens-details", action="store_true")
     parser.add_argument("--llm-kwargs", default="{}", help="LLM(...) keyword arguments, as JSON")
     args = parser.parse_args(argv)
     watch_parent(args.parent)
@@ -172,6 +185,7 @@ def replica_main(argv=None) -> int:
     import uvicorn
 
     from minivllm import LLM
+    from minivllm.entrypoints.openai.health import exit_when_dead
     from minivllm.entrypoints.openai.launcher import bind, uvicorn_config
     from minivllm.model.loader import DEFAULT_MODEL
 
@@ -182,16 +196,19 @@ def replica_main(argv=None) -> int:
     limits = Limits()
     model_path = llm_kwargs.get("model") or str(DEFAULT_MODEL)  # the model cards' root, as vLLM's
     app = build_replica_app(llm, args.served_model_name, os.environ.get("MINIVLLM_API_KEY") or None, limits,
-                            dev_mode=args.dev_mode, model_path=model_path)
+                            dev_mode=args.dev_mode, model_path=model_path,
+                            operator_key=os.environ.get(OPERATOR_KEY_VARIABLE) or None,
+                            enable_prompt_tokens_details=args.enable_prompt_tokens_details)
     sock = bind(args.host, 0)
     print(f"minivllm replica {args.rank} serving on http://{args.host}:{sock.getsockname()[1]}", flush=True)
     server = uvicorn.Server(uvicorn_config(app, limits, log_level="warning"))
     server.config.timeout_graceful_shutdown = 1
+    exit_when_dead(server, app.state.serving.engine)  # then the supervisor starts a fresh replica
     try:
         asyncio.run(server.serve(sockets=[sock]))
     except KeyboardInterrupt:
         pass
-    return 0
+    return 1 if server.engine_death else 0
 
 
 if __name__ == "__main__":

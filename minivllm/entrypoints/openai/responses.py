@@ -82,13 +82,17 @@ class Responses:
         return min(hits)[1] if hits else None
 
 
-def usage(outputs) -> dict:
-    """Usage over a request's outputs (one per prompt): prompt and completion tokens, and the prompt tokens
-    served from the prefix cache (summed over the prompts; vLLM reports the last prompt's)."""
+def usage(outputs, details: bool = False) -> dict:
+    """Usage over a request's outputs (one per prompt): prompt and completion tokens, and, only when the server
+    was started with `enable_prompt_tokens_details` (vLLM's --enable-prompt-tokens-details,
+    vllm/entrypoints/common/cli_args.py; off by default, when vLLM sends null), the prompt tokens served from
+    the prefix cache (summed over the prompts; vLLM reports the last prompt's). Off, no client learns whether
+    another's prompt is cached."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = {"cached_tokens": sum(o.num_cached_tokens for o in outputs)} if details else None
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)}}
+            "prompt_tokens_details": cached}
 
 
 def running_usage(prompt_tokens: int, completion_tokens: int) -> dict:

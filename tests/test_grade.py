@@ -169,6 +169,19 @@ def test_answers_that_import_the_reference_or_touch_the_checks_are_flagged_and_n
     assert not graded["passed"] and graded["report"][0].startswith("✗ 07.shared_blocks: not checked: reaches")
 
 
+def test_an_answer_in_a_whole_chapter_is_checked_with_the_chapters_definitions(tmp_path):
+    """A student's notebook is the chapter with its stubs filled in: the answer is extracted along with the
+    chapter's definitions (about 140 statements of chapter 6), none of what it runs (`llm = LLM(...)`)."""
+    chapter = nbformat.read(ROOT / "notebooks" / "06_continuous_batching.ipynb", as_version=4)
+    solved = next(c.source for c in nbformat.read(ROOT / "notebooks" / "solutions" / "06_continuous_batching.ipynb",
+                                                  as_version=4).cells if 'check("06.plan"' in c.source)
+    code = [solved if 'check("06.plan"' in c.source else c.source for c in chapter.cells if c.cell_type == "code"]
+    answer = extract_answers(code)["06.plan"]
+    assert len(answer.definitions) > 100 and "llm = LLM(enable_prefix_caching=False)" not in answer.definitions
+    graded = grade.check_answer(answer, grade.Limits(120), None, tmp_path)
+    assert graded["passed"], graded["report"]
+
+
 @pytest.mark.parametrize("folder", ["notebooks", "notebooks/solutions"])
 def test_every_book_notebook_has_every_answer_extracted_and_none_flagged(folder):
     for path in sorted((ROOT / folder).glob("*.ipynb")):

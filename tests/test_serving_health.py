@@ -6,6 +6,7 @@ Item 6: `usage.prompt_tokens_details.cached_tokens` was always sent (vLLM sends 
 --enable-prompt-tokens-details), an oracle for other tenants' prompts; a replica's `/kv_events` (every tenant's
 prompt blocks) answered the client key."""
 
+import asyncio
 import json
 import logging
 import os
@@ -186,3 +187,57 @@ def test_serve_takes_vllms_flag(monkeypatch):
         kwargs["enable_prompt_tokens_details"]))
     assert cli.main(["serve"]) == 0 and cli.main(["serve", "--enable-prompt-tokens-details"]) == 0
     assert seen == [False, True]
+
+
+def test_the_front_end_stops_routing_to_a_replica_whose_health_fails():
+    """A replica that still answers, but whose /health says 503 (its engine is dead), gets no requests once the
+    probe has seen it fail; the other replica gets them all; when its /health is 200 again it is routed to again.
+    Two fake replicas, no model."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+    from minivllm.distributed.kv_events import AllBlocksCleared, event_to_json
+    from minivllm.entrypoints.openai.front import build_router_app
+
+    health = {0: 200, 1: 200}
+
+    def fake(rank):
+        app = FastAPI()
+
+        async def kv_events():
+            async def lines():
+                yield json.dumps(event_to_json(AllBlocksCleared())) + "\n"
+                while True:
+                    await asyncio.sleep(1)
+                    yield "\n"
+            return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+        app.add_api_route("/kv_events", kv_events, methods=["GET"])
+        app.add_api_route("/health", lambda: Response(status_code=health[rank]), methods=["GET"])
+        app.add_api_route("/v1/completions", lambda: JSONResponse({"served_by": rank}), methods=["POST"])
+        server = ThreadedUvicorn(app, Limits())
+        server.start()
+        return server
+
+    replicas = [fake(0), fake(1)]
+    front_app = build_router_app([r.url for r in replicas], "round-robin", probe_interval=0.05, probe_failures=2)
+    front = ThreadedUvicorn(front_app, Limits())
+    front.start()
+    state = front_app.state.front
+    try:
+        def served(count=4):
+            return [httpx.post(front.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1},
+                               timeout=TIMEOUT).json()["served_by"] for _ in range(count)]
+
+        assert wait_for(lambda: state.router.alive == [True, True], 10)
+        assert sorted(set(served())) == [0, 1]
+        health[1] = 503
+        assert wait_for(lambda: state.router.alive == [True, False], 5)
+        assert served() == [0, 0, 0, 0]
+        health[1] = 200
+        assert wait_for(lambda: state.router.alive == [True, True], 5)
+        assert sorted(set(served())) == [0, 1]
+    finally:
+        front.stop()
+        for replica in replicas:
+            replica.stop()

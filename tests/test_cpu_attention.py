@@ -177,3 +177,12 @@ def test_decode_kernel_never_reads_outside_the_cache():
         paged_decode_cpu(q, *cache.layer(0), tables, seq_lens + 100)
     with pytest.raises(RuntimeError, match="block id"):
         paged_decode_cpu(q, *cache.layer(0), tables + 1000, seq_lens)
+    k_cache, v_cache = cache.layer(0)
+    with pytest.raises(RuntimeError, match="of one shape"):  # block ids valid for the keys, past the values
+        paged_decode_cpu(q, k_cache, v_cache[:1].contiguous(), tables, seq_lens)
+    with pytest.raises(RuntimeError, match="one table row and length a sequence"):
+        paged_decode_cpu(q, k_cache, v_cache, tables[:1], seq_lens)  # two sequences, one row of the table
+    with pytest.raises(RuntimeError, match="one table row and length a sequence"):
+        paged_decode_cpu(q, k_cache, v_cache, tables, seq_lens[:1])
+    with pytest.raises(RuntimeError, match="one table row and length a sequence"):
+        paged_decode_cpu(q[0], k_cache, v_cache, tables, seq_lens)

@@ -17,9 +17,8 @@ BACKENDS = ("auto", "cpu", "triton", "torch")
 
 
 def attention_backend_class(attention_backend: str, device: torch.device) -> type[PagedAttention]:
-    """The engine's `attention_backend` setting: "auto" is Triton on a CUDA GPU (when triton is installed), the C++
-    kernel on a CPU (when it builds), the PyTorch reference otherwise; "triton" on a CPU runs the kernels in
-    the interpreter (slow, for tests)."""
+    """The engine's `attention_backend`: "auto" is Triton on a CUDA GPU (when installed), the C++ kernel on a CPU
+    (when it builds), the PyTorch reference otherwise; "triton" on a CPU runs in the interpreter (slow, for tests)."""
     if attention_backend not in BACKENDS:
         raise ValueError(f"attention_backend = {attention_backend!r}: expected one of {', '.join(map(repr, BACKENDS))}")
     device = torch.device(device)

@@ -100,7 +100,7 @@ def cpu_description() -> str:
         pass
     amx = "with AMX" if "amx_tile" in cpu_flags() else "no AMX"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{name}, {cores} cores ({isa_level()} kernels, {amx})"
+    return f"{name}, {cores} logical CPUs ({isa_level()} kernels, {amx})"
 
 
 def kernels_enabled() -> bool:

@@ -21,14 +21,18 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
               v_cache.scalar_type() == dtype, "paged_decode: q and caches must be all float32 or all bfloat16");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kLong,
               "paged_decode: block_tables must be int32 and seq_lens int64");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode: caches must be contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+              v_cache.sizes() == k_cache.sizes(), "paged_decode: the caches must be contiguous and of one shape");
+  TORCH_CHECK(q.dim() == 3 && block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && seq_lens.dim() == 1 &&
+              seq_lens.size(0) == q.size(0), "paged_decode: q [seqs, heads, dim], one table row and length a sequence");
   auto qf = q.to(at::kFloat).contiguous();  // the queries, widened once: a few hundred numbers per sequence
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2), width = tables.size(1);
+  TORCH_CHECK(k_cache.size(3) == dim && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
+              "paged_decode: q does not fit the cache");
   const int64_t group = num_heads / num_kv_heads, row = num_kv_heads * dim;  // a token's row: every kv head
-  TORCH_CHECK(k_cache.size(3) == dim && num_heads % num_kv_heads == 0, "paged_decode: q does not fit the cache");
   auto out = torch::empty_like(qf);
   const float* Q = qf.data_ptr<float>();
   const int32_t* T = tables.data_ptr<int32_t>();

@@ -190,8 +190,8 @@ def main(argv=None) -> int:
                         help="how the front end picks a replica when --data-parallel-size > 1 (default: prefix-aware)")
     EngineArgs.add_cli_args(server)
     sub.add_parser("bench", help="throughput, TTFT and TPOT of the engine (see python -m minivllm bench --help)")
-    sub.add_parser("grade", help="run notebooks in fresh kernels and report their exercise checks, for a class; "
-                                 "student code runs as it is: use a container (python -m minivllm grade --help)")
+    sub.add_parser("grade", help="grade a class's notebooks: each runs contained (time, CPU, memory), each answer is "
+                                 "re-checked in a fresh process; still use a container (python -m minivllm grade --help)")
     explain = sub.add_parser("explain-cache", help="which blocks of prompt B would be served from A's prefix cache")
     explain.add_argument("a", help="a text file, or a .json chat (a list of {role, content} messages)")
     explain.add_argument("b")

@@ -18,6 +18,7 @@ from minivllm import LLM, SamplingParams, cli
 from minivllm.book.texts import CORPUS
 from minivllm.entrypoints.openai.launcher import BackgroundServer
 from minivllm.model.loader import DEFAULT_MODEL
+from tests.test_server import labels_sorted
 
 TIMEOUT = 120
 
@@ -254,16 +255,8 @@ def test_command_line_serve_model_positional_with_vllm_api_key(tmp_path):
 def scrape(url: str) -> dict:
     """/metrics as {name{labels}: value}, the labels in the order written here (model_name, engine, others)."""
     text = httpx.get(url + "/metrics", timeout=TIMEOUT).text
-    return {ordered(line.rsplit(" ", 1)[0]): float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+    return {labels_sorted(line.rsplit(" ", 1)[0]): float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
             if line and not line.startswith("#")}
-
-
-def ordered(key: str) -> str:
-    if "{" not in key:
-        return key
-    name, labels = key[:-1].split("{")
-    pairs = sorted(labels.split(","), key=lambda p: (not p.startswith("model_name="), not p.startswith("engine="), p))
-    return f"{name}{{{','.join(pairs)}}}"
 
 
 def test_metrics_have_vllms_names_and_model_name_label(server):

@@ -114,13 +114,9 @@ def compiler() -> str:
     return os.environ.get("CXX", "").strip() or "c++"
 
 
-_probes: dict[tuple, object] = {}
-
-
-def _probe(key: tuple, run):
-    if key not in _probes:
-        _probes[key] = run()
-    return _probes[key]
+@functools.cache
+def _compiler_version(path: str) -> list[str]:
+    return subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60).stdout.splitlines()[:1]
 
 
 def compiler_identity(cxx: str) -> str:
@@ -129,13 +125,13 @@ def compiler_identity(cxx: str) -> str:
     if path is None:
         raise KernelUnavailable(f"no C++ compiler: {cxx!r} is not on PATH (set CXX, or install g++ or clang++)")
     try:
-        version = _probe(("version", path), lambda: subprocess.run(
-            [path, "--version"], capture_output=True, text=True, timeout=60).stdout.splitlines()[:1])
+        version = _compiler_version(path)
     except (OSError, subprocess.SubprocessError) as error:
         raise KernelUnavailable(f"the C++ compiler {path} does not run: {error}") from None
     return f"{path} {' '.join(version)}"
 
 
+@functools.cache
 def openmp_flags(cxx: str) -> tuple[str, ...]:
     """-fopenmp where the compiler compiles and links it (gcc; clang with libomp), else -fopenmp-simd (the
     `#pragma omp simd` hints without threads), else nothing."""
@@ -151,9 +147,7 @@ def openmp_flags(cxx: str) -> tuple[str, ...]:
                 return False
             return done.returncode == 0
 
-    def choose():
-        return next(((flag,) for flag in ("-fopenmp", "-fopenmp-simd") if accepted(flag)), ())
-    return _probe(("openmp", cxx), choose)
+    return next(((flag,) for flag in ("-fopenmp", "-fopenmp-simd") if accepted(flag)), ())
 
 
 def cache_root() -> Path:

@@ -162,6 +162,32 @@ def test_a_class_step_with_other_code_is_merged_and_the_rest_keeps_its_order(tmp
     assert notebook_tools.export_differences(tmp_path) == []
 
 
+def test_a_class_step_replaces_a_method_where_it_stands(tmp_path):
+    (tmp_path / "notebooks").mkdir()
+    write_notebook(tmp_path / "notebooks" / "01_a.ipynb",
+                   new_code_cell('# export: minivllm/steps.py\nclass Engine:\n    """Docs."""\n\n'
+                                 '    def hook(self):\n        return "chapter 1"\n\n    def last(self):\n'
+                                 '        return self.hook()'))
+    write_notebook(tmp_path / "notebooks" / "02_b.ipynb",
+                   new_code_cell("# export: minivllm/steps.py\nclass Engine(Engine):\n    def added(self):\n"
+                                 "        return 3\n\n    @property\n    def hook(self):\n        return 'chapter 2'"))
+    notebook_tools.export(tmp_path)
+    text = (tmp_path / "minivllm" / "steps.py").read_text()
+    assert text.count("def hook") == 1 and "chapter 1" not in text
+    assert text.index("def hook") < text.index("def last") < text.index("def added")  # in the first place
+    namespace = {}
+    exec(compile(text, "steps.py", "exec"), namespace)
+    engine = namespace["Engine"]()
+    assert (engine.hook, engine.added()) == ("chapter 2", 3)
+    assert notebook_tools.export_differences(tmp_path) == []
+
+    write_notebook(tmp_path / "notebooks" / "03_c.ipynb",
+                   new_code_cell("# export: minivllm/steps.py\nclass Engine(Engine):\n    def last(self):\n"
+                                 "        return super().last() + 1"))
+    with pytest.raises(ValueError, match=r"03_c.ipynb cell 0: class step Engine\(Engine\): last replaces"):
+        notebook_tools.export(tmp_path)
+
+
 @pytest.mark.parametrize("step, words", [
     ("@decorated\nclass Engine(Engine):\n    pass", "without other bases, keywords or decorators"),
     ("class Engine(Engine, Mixin):\n    pass", "without other bases"),

@@ -112,9 +112,7 @@ def merge_class_steps(code: list[str], cell: str, where: str) -> str:
             target = next((node for node in ast.parse(code[index]).body
                            if isinstance(node, ast.ClassDef) and node.name == step.name), None)
             if target is not None:
-                chunk = code[index].split("\n")
-                chunk[target.end_lineno:target.end_lineno] = [""] + lines[step.lineno:step.end_lineno]
-                code[index] = "\n".join(chunk)
+                code[index] = merge_into(code[index].split("\n"), target, lines, step, f"{where}: {name}")
                 break
         else:
             raise ValueError(f"{where}: {name}: no earlier cell of this module defines {step.name}")
@@ -124,6 +122,36 @@ def merge_class_steps(code: list[str], cell: str, where: str) -> str:
             end += 1
         del lines[start:end]
     return "\n".join(lines)
+
+
+def merge_into(chunk: list[str], target: ast.ClassDef, lines: list[str], step: ast.ClassDef, name: str) -> str:
+    """The class `target` (in `chunk`'s lines) with the step's body added. A method the class already has is
+    replaced where it stands, as d2l's add_to_class replaces an attribute: a later chapter rewrites one hook of
+    the class. The rewrite cannot call super(): in the notebook that reaches the earlier version, in the
+    module it would reach the class's base."""
+    def span(node):  # a member's lines, decorators included, as a slice of its cell's lines
+        return slice(min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1, node.end_lineno)
+
+    methods = (ast.FunctionDef, ast.AsyncFunctionDef)
+    existing = {node.name: node for node in target.body if isinstance(node, methods)}
+    replaced, dropped = [], set()
+    for member in step.body:
+        if isinstance(member, methods) and member.name in existing:
+            if any(isinstance(n, ast.Call) and getattr(n.func, "id", None) == "super" for n in ast.walk(member)):
+                raise ValueError(f"{name}: {member.name} replaces the class's own {member.name} and so cannot "
+                                 "call super(): write the whole method")
+            replaced.append((span(existing[member.name]), lines[span(member)]))
+            dropped.update(range(span(member).start, span(member).stop))
+    added = [line for number, line in enumerate(lines[step.lineno:step.end_lineno], step.lineno)
+             if number not in dropped]
+    added = [line for i, line in enumerate(added) if line.strip() or (0 < i and added[i - 1].strip())]
+    while added and not added[-1].strip():
+        added.pop()
+    end = target.end_lineno
+    chunk[end:end] = [""] + added if added and added[0].strip() else added
+    for where, text in sorted(replaced, key=lambda item: item[0].start, reverse=True):
+        chunk[where] = text
+    return "\n".join(chunk)
 
 
 def self_subclasses(text: str) -> list[str]:

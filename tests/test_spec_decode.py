@@ -134,10 +134,11 @@ def test_sampling_with_top_k_1_is_greedy(checkpoints, method):
         assert finished[str(i)].outputs[0].token_ids == transformers_greedy(hf_model, prompt, 20)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_sampled_tokens_follow_the_target_distribution(tmp_path, method):
-    """The 4th token of 3,000 seeded samples against its exact marginal under the target alone; the 2nd to 4th
-    come from rounds of two drafts, so acceptance, rejection and the bonus token all take part."""
+@pytest.mark.parametrize("method, seed", [("ngram", 0), ("draft_model", 0), ("draft_model", None)])
+def test_sampled_tokens_follow_the_target_distribution(tmp_path, method, seed):
+    """The 4th token of 3,000 samples against its exact marginal under the target alone; the 2nd to 4th come
+    from rounds of two drafts, so acceptance, rejection and the bonus token all take part. Seeded requests are
+    verified by races with noise of (seed, position), unseeded ones by rejection sampling: both must be exact."""
     vocab = 8
     target = save_random_checkpoint(tmp_path / "target", "qwen3-gqa2-tied", vocab_size=vocab, seed=3)
     save_random_checkpoint(tmp_path / "draft", "llama-untied-gqa8", vocab_size=vocab, seed=4)
@@ -147,7 +148,7 @@ def test_sampled_tokens_follow_the_target_distribution(tmp_path, method):
                               EngineConfig(block_size=4, num_kv_blocks=4096, max_num_seqs=256,
                                            max_num_batched_tokens=2048), _backend(), config)
     prompt, samples = [3, 5, 3, 6], 3000
-    engine.add_request("r", prompt, SamplingParams(n=samples, temperature=1.0, seed=0, max_tokens=4, ignore_eos=True))
+    engine.add_request("r", prompt, SamplingParams(n=samples, temperature=1.0, seed=seed, max_tokens=4, ignore_eos=True))
     fourth = torch.zeros(vocab)
     for completion in run(engine)["r"].outputs:
         fourth[completion.token_ids[3]] += 1
@@ -272,3 +273,32 @@ def test_a_draft_models_cache_shares_the_kv_memory_budget():
     assert engine.kv_cache.num_blocks < plain.engine.kv_cache.num_blocks
     explicit = LLM(num_kv_blocks=100, speculative_config={"model": None, "num_speculative_tokens": 2})
     assert explicit.engine.kv_cache.num_blocks == 100  # a number given by the caller is kept
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_seeded_outputs_do_not_depend_on_kv_pressure(tmp_path, method):
+    """A seeded request's tokens are a function of its seed and prompt: a cache so tight that requests are
+    preempted and get fewer draft slots than asked for gives the same tokens as a roomy one (issue 41)."""
+    vocab = 12
+    save_random_checkpoint(tmp_path / "target", "qwen3-gqa2-tied", vocab_size=vocab, seed=3)
+    save_random_checkpoint(tmp_path / "draft", "llama-untied-gqa8", vocab_size=vocab, seed=4)
+    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1} \
+        if method == "ngram" else {"model": str(tmp_path / "draft"), "num_speculative_tokens": 3}
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, vocab, (int(n),), generator=gen).tolist() for n in torch.randint(3, 12, (16,))]
+    outputs, stats = {}, {}
+    for blocks in (4096, 14):
+        engine = SpecDecodeEngine(load(tmp_path / "target"), None,
+                                  EngineConfig(block_size=4, num_kv_blocks=blocks, max_num_seqs=16), _backend(), config)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, SamplingParams(temperature=1.0, seed=100 + i, max_tokens=24,
+                                                              ignore_eos=True))
+        finished = run(engine)
+        outputs[blocks] = [finished[str(i)].outputs[0].token_ids for i in range(len(prompts))]
+        stats[blocks] = engine.stats()
+        assert engine.kv_manager.pool.num_free == blocks
+    assert stats[14]["num_preemptions"] > 0 and stats[4096]["num_preemptions"] == 0
+    assert stats[14]["spec_decode_num_accepted_tokens"] > 0 and stats[4096]["spec_decode_num_accepted_tokens"] > 0
+    differing = [i for i in range(len(prompts)) if outputs[14][i] != outputs[4096][i]]
+    assert not differing, f"requests {differing} changed under KV pressure"
+    assert len({tuple(o) for o in outputs[4096]}) > 8  # and the seeds do matter

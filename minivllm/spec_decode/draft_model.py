@@ -5,6 +5,7 @@ import torch
 from minivllm.attention.paged import PagedKVCache
 from minivllm.engine.model_runner import BlockTables
 from minivllm.engine.sampler import sampling_probs
+from minivllm.spec_decode.rejection_sampler import seeded_choices
 
 
 class DraftModelProposer:
@@ -20,8 +21,8 @@ class DraftModelProposer:
         self.kv_cache = PagedKVCache.for_model(model, kv_cache.num_blocks, kv_cache.block_size)
 
     def propose(self, requests, budgets: list[int], generators, reserve) -> list[tuple[list[int], torch.Tensor | None]]:
-        """Up to budgets[i] draft tokens for requests[i], and for sampled requests the distributions they were
-        drawn from. The draft writes ahead of the target, so it reserves its slots first."""
+        """Up to budgets[i] draft tokens for requests[i], and for unseeded sampled requests the distributions
+        they were drawn from. The draft writes ahead of the target, so it reserves its slots first."""
         budgets = [reserve(r, k) for r, k in zip(requests, budgets)]
         tokens, probs = [[] for _ in requests], [[] for _ in requests]
         # first catch up on the tokens this draft has not seen: the last step's output, or a whole prompt
@@ -40,6 +41,9 @@ class DraftModelProposer:
                 request = requests[i]
                 if request.params.greedy:
                     token = greedy[row]
+                elif request.params.seed is not None:  # the race of this position, on q; no q to keep
+                    q = sampling_probs(logits[row], request.params)[None]
+                    token = seeded_choices(q, request.params.seed, request.num_tokens + len(tokens[i]))[0]
                 else:
                     q = sampling_probs(logits[row], request.params)
                     q = q / q.sum()

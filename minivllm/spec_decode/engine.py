@@ -13,7 +13,7 @@ from minivllm.model.loader import DEFAULT_MODEL, load_model
 from minivllm.outputs import ModelRunnerOutput
 from minivllm.spec_decode.draft_model import DraftModelProposer
 from minivllm.spec_decode.ngram_proposer import NgramProposer
-from minivllm.spec_decode.rejection_sampler import verify_greedy, verify_sampled
+from minivllm.spec_decode.rejection_sampler import seeded_choices, verify_greedy, verify_sampled
 
 
 class SpecDecodeModelRunner(ModelRunner):
@@ -48,9 +48,12 @@ class SpecDecodeModelRunner(ModelRunner):
                 new_tokens[request] = self.verify_greedy(greedy[span], drafts)
             else:
                 p = torch.stack([sampling_probs(x, request.params) for x in logits[span]])
-                q = None if request.draft_probs is None else request.draft_probs[:len(drafts)]
-                generator = self.generator if request.generator is None else request.generator
-                new_tokens[request] = self.verify_sampled(p, drafts, q, generator)
+                if request.params.seed is not None:  # the race winners: a function of seed and position
+                    winners = seeded_choices(p, request.params.seed, request.num_tokens)
+                    new_tokens[request] = self.verify_greedy(winners, drafts)
+                else:
+                    q = None if request.draft_probs is None else request.draft_probs[:len(drafts)]
+                    new_tokens[request] = self.verify_sampled(p, drafts, q, self.generator)
             if drafts:
                 self.num_drafts += 1
                 self.num_draft_tokens += len(drafts)
@@ -66,7 +69,8 @@ class SpecDecodeEngine(LLMEngine):
     """Speculative decoding: after every step a proposer guesses the next k tokens of each running request;
     the next step feeds them to the target with the request's last token, and keeps the longest run the
     target agrees with plus one token of its own. Greedy outputs are the target's, token for token; sampled
-    outputs follow the target's distribution exactly (rejection sampling)."""
+    outputs follow the target's distribution exactly (rejection sampling; for a seeded request, races whose noise
+    depends on the seed and the position only, so its tokens do not depend on the guesses)."""
 
     runner_class = SpecDecodeModelRunner
 

@@ -110,14 +110,14 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # None: what the model and the KV cache allow
-    enable_prefix_caching: bool = False  # chapter 7's; refused until chapter 7 plugs it in
+    enable_prefix_caching: bool = False  # chapter 7's; refused until chapter 7 builds it
     enable_chunked_prefill: bool = True
     seed: int = 0
     scheduler_reserve_full_isl: bool = True  # vLLM 0.33's default: admit a request only if all its tokens fit
     max_request_share: float = 0.5  # fairness: the share of max_num_seqs one user request's sequences may hold
     long_prefill_token_threshold: int = 0  # vLLM's: the most tokens one prompt computes per step while others
     # are queued; 0: no cap
-    # Switches of later chapters, named as vLLM's, each refused until its chapter registers a KV cache manager:
+    # Switches of later chapters, named as vLLM's, each refused until its chapter builds what it asks for:
     enable_kv_cache_events: bool = False  # chapter 7: the block pool records what it names and forgets
     kv_offloading_size: float | None = None  # chapter 13: GiB of a second tier for KV blocks
     kv_offloading_backend: str = "native"  # chapter 13

@@ -312,7 +312,8 @@ def first_definitions() -> tuple[dict[str, int], dict[tuple[str, str], int], lis
 def test_no_chapter_imports_the_code_of_a_later_chapter():
     """A reader of chapter N never meets code from a later chapter: no cell of chapter N imports a module
     that a later chapter exports first, or a name that a later chapter adds to an earlier module. Later
-    chapters plug in through the extension points chapter 6 leaves (LLM_OPTIONS, KV_MANAGERS, ...)."""
+    chapters plug in by rewriting a method of an earlier class in a class step (`make_kv_manager`), or through
+    chapter 6's LLM_OPTIONS."""
     first_module, first_name, cells = first_definitions()
     assert first_name[("minivllm.engine.llm_engine", "LLMEngine")] < first_module["minivllm.spec_decode.engine"]
     forward = set()
@@ -330,21 +331,22 @@ def test_no_chapter_imports_the_code_of_a_later_chapter():
     assert sorted(forward) == []
 
 
-def test_a_keyword_or_an_option_no_chapter_has_plugged_in_is_refused(monkeypatch):
-    """Chapter 6 leaves places for later chapters' options; until one is registered it is refused, never ignored."""
+def test_a_misspelt_keyword_and_a_switch_the_plain_engine_cannot_build_are_refused():
+    """Never ignored: a keyword no chapter defines, a tier asked of the engine without one, KV events without
+    the prefix cache whose names they report."""
     from minivllm.config import EngineConfig
-    from minivllm.engine import llm_engine
+    from minivllm.engine.llm_engine import LLMEngine
     from minivllm.model.loader import load_model
 
     with pytest.raises(TypeError, match="unexpected keyword argument 'enable_prefix_cache'"):
         LLM(enable_prefix_cache=True)  # a misspelt option
-    monkeypatch.setattr(llm_engine, "KV_MANAGERS", {})  # as in chapter 6, before chapter 7 registers its manager
     model, _ = load_model()
-    with pytest.raises(ValueError, match="enable_prefix_caching = True needs chapter 7's prefix cache"):
-        llm_engine.LLMEngine(model, None, EngineConfig(num_kv_blocks=8, enable_prefix_caching=True))
-    with pytest.raises(ValueError, match="kv_offloading_size = 1.0 needs chapter 13"):
-        llm_engine.LLMEngine(model, None, EngineConfig(num_kv_blocks=8, kv_offloading_size=1.0))
-    assert type(llm_engine.LLMEngine(model, None, EngineConfig(num_kv_blocks=8)).kv_manager).__name__ == "KVCacheManager"
+    with pytest.raises(ValueError, match="kv_offloading_size = 1.0: a later chapter's engine"):
+        LLMEngine(model, None, EngineConfig(num_kv_blocks=8, kv_offloading_size=1.0))
+    with pytest.raises(ValueError, match="enable_kv_cache_events: KV events come from the prefix cache"):
+        LLMEngine(model, None, EngineConfig(num_kv_blocks=8, enable_kv_cache_events=True))
+    assert not LLMEngine(model, None, EngineConfig(num_kv_blocks=8)).kv_manager.enable_caching
+    assert LLMEngine(model, None, EngineConfig(num_kv_blocks=8, enable_prefix_caching=True)).kv_manager.enable_caching
 
 
 def test_the_runner_keeps_its_own_block_tables_in_step_with_the_manager_and_never_reads_it():

@@ -86,6 +86,25 @@ def test_outputs_equal_transformers_and_the_tier_serves_what_the_pool_lost():
         assert cached % 4 == 0 and cached < len(prompts[request_id])
 
 
+def test_without_the_prefix_cache_the_pool_names_nothing_and_only_the_tier_serves_hits():
+    """enable_prefix_caching=False with a tier (the architecture review's silent bug: the pool cached anyway).
+    As in vLLM, the connector is asked whether or not the local cache is on: a repeated prompt is served from
+    the tier, copied into fresh pool blocks; the pool finds nothing, names nothing, and hits count only there."""
+    prompts = shared_prefix_prompts()[:3]
+    tiered = offloading(replace(config(), enable_prefix_caching=False))
+    first, cached_first = run(tiered, prompts, "a")
+    again, cached_again = run(tiered, prompts, "b")
+    assert_matches_transformers(prompts, again)
+    assert first == again and cached_first[0] == 0  # the others share its 40-token prefix: from the tier
+    manager = tiered.kv_manager
+    assert not manager.enable_caching and len(manager.pool.cached) == 0 and manager.prefix_cache_hits == 0
+    assert min(cached_again) > 0 and tiered.stats()["kv_offload_hit_tokens"] == sum(cached_first + cached_again)
+    assert manager.pool.num_free == manager.pool.num_blocks, "every pool block comes back"
+    plain = LLMEngine(*tiny_model()[:2], replace(config(), enable_prefix_caching=False))
+    run(plain, prompts, "a")
+    assert run(plain, prompts, "b")[1] == [0, 0, 0], "no tier, no cache: nothing is served"
+
+
 def test_the_tiers_stay_within_their_size_and_every_pool_block_comes_back(tmp_path):
     engine = offloading(config(20, 2, 16), cpu_blocks=7, root=tmp_path, file_blocks=11)
     file = engine.store.tiers[1]

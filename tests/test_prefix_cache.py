@@ -13,7 +13,7 @@ from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.model.loader import load_weights
 from minivllm.tools.cache_autopsy import explain_cache
-from minivllm.core.block_pool import PrefixCachingBlockPool
+from minivllm.core.block_pool import BlockPool
 from minivllm.core.kv_cache_utils import SEED_HASH, block_hashes, hash_block
 from minivllm.sampling_params import SamplingParams
 
@@ -44,7 +44,7 @@ def test_salt_enters_the_first_block_so_nothing_is_shared():
 @settings(max_examples=200, deadline=None)
 @given(ops=st.lists(st.tuples(st.sampled_from(["allocate", "cache", "free", "revive"]), st.integers(0, 30)), max_size=80))
 def test_cache_map_stays_consistent_and_blocks_in_use_are_never_evicted(ops):
-    pool = PrefixCachingBlockPool(8)
+    pool = BlockPool(8)
     held: list[int] = []
     for op, arg in ops:
         if op == "allocate" and arg % 3 < pool.num_free:
@@ -69,7 +69,7 @@ def test_cache_map_stays_consistent_and_blocks_in_use_are_never_evicted(ops):
 
 
 def test_blocks_are_evicted_least_recently_freed_first_and_prefixes_last():
-    pool = PrefixCachingBlockPool(6)
+    pool = BlockPool(6)
     blocks = pool.allocate(3)
     for k, block in enumerate(blocks):
         pool.cache(block, hash_block(SEED_HASH, [k]))
@@ -83,7 +83,7 @@ def test_blocks_are_evicted_least_recently_freed_first_and_prefixes_last():
 def test_a_freed_block_without_a_name_is_reused_before_any_cached_block():
     """vLLM 0.33's free_blocks: unnamed blocks to the front of the free queue, in the order freed; named ones
     to the back."""
-    pool = PrefixCachingBlockPool(6)
+    pool = BlockPool(6)
     blocks = pool.allocate(4)  # 0 1 2 3; the queue holds 4 5
     pool.cache(blocks[0], hash_block(SEED_HASH, [0]))
     pool.cache(blocks[2], hash_block(SEED_HASH, [2]))
@@ -94,7 +94,7 @@ def test_a_freed_block_without_a_name_is_reused_before_any_cached_block():
 
 def test_every_full_block_is_named_even_when_its_contents_are_already_cached():
     """vLLM's BlockHashToBlockMap keeps every block with a hash; a lookup returns the first one named."""
-    pool = PrefixCachingBlockPool(4)
+    pool = BlockPool(4)
     first, second = pool.allocate(2)
     contents = hash_block(SEED_HASH, [1, 2, 3])
     pool.cache(first, contents)
@@ -338,5 +338,5 @@ def test_without_the_flag_the_pool_records_nothing(model):
     engine = LLMEngine(model, None, EngineConfig(block_size=8, num_kv_blocks=16, enable_prefix_caching=True))
     serve(engine, [random_tokens(30, 61)])
     assert engine.take_events() == [] and engine.kv_manager.pool.kv_events == []
-    with pytest.raises(ValueError, match="enable_kv_cache_events = True needs chapter 7's prefix cache"):
+    with pytest.raises(ValueError, match="enable_kv_cache_events: KV events come from the prefix cache"):
         LLMEngine(model, None, EngineConfig(block_size=8, num_kv_blocks=16, enable_kv_cache_events=True))

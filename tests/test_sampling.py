@@ -107,13 +107,14 @@ def test_top_p_counts_what_min_p_left_as_vllm_does():
 
 from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor
 
-from minivllm.core.request import MinTokensStopChecker, Request
+from minivllm.core.request import Request
+from minivllm.core.stop_checker import StopChecker
 from minivllm.engine.sampler import Sampler, batched_sampling_probs, processed_logits
 
 
 def request_with(prompt, output, **params):
     p = SamplingParams(temperature=0, max_tokens=64, **params)
-    request = Request("r", list(prompt), p, MinTokensStopChecker(p))
+    request = Request("r", list(prompt), p, StopChecker(p))
     for token in output:
         request.append_output_token_id(token)
     return request
@@ -181,7 +182,7 @@ def test_min_tokens_stop_rule_waits_for_the_stop_string_after_min_tokens():
             return "".join(chr(96 + i) for i in ids)
 
     params = SamplingParams(max_tokens=10, min_tokens=3, stop="ab")
-    checker = MinTokensStopChecker(params, Letters())
+    checker = StopChecker(params, Letters())
     ids = []
     reasons = []
     for token in [1, 2, 3, 1, 2]:  # "abcab": the first "ab" lies within the first 3 tokens, the second after

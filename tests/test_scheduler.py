@@ -8,8 +8,9 @@ import torch
 
 from minivllm.config import EngineConfig, ModelConfig
 from minivllm.core.block_pool import BlockPool
-from minivllm.core.kv_cache_manager import KVCacheManager, PrefixCachingKVCacheManager
-from minivllm.core.request import MinTokensStopChecker, Request
+from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.core.request import Request
+from minivllm.core.stop_checker import StopChecker
 from minivllm.core.scheduler import Scheduler
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.model.loader import load_weights
@@ -21,7 +22,7 @@ from tests.conftest import transformers_greedy
 def make_request(request_id: str, prompt_len: int, max_tokens: int, first_token: int = 0) -> Request:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     prompt = [(first_token + i) % 200 + 3 for i in range(prompt_len)]
-    return Request(request_id, prompt, params, MinTokensStopChecker(params))
+    return Request(request_id, prompt, params, StopChecker(params))
 
 
 def fake_step(scheduler: Scheduler) -> list[tuple[str, int]]:
@@ -65,7 +66,7 @@ def test_first_chunk_admission_over_admits_and_thrashes():
 
 
 def test_full_prompt_admission_counts_cached_prefix_and_the_free_cached_blocks_it_claims():
-    manager = PrefixCachingKVCacheManager(4, 4)
+    manager = KVCacheManager(BlockPool(4), 4, enable_caching=True)
     scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=64)
     first = make_request("A", 8, 1)
     scheduler.add(first)
@@ -74,10 +75,10 @@ def test_full_prompt_admission_counts_cached_prefix_and_the_free_cached_blocks_i
     assert manager.pool.num_free == 4  # A's two full blocks are free but still cached
     # B shares A's 8-token prefix and has 12 more tokens: 20 tokens, 5 blocks; 2 are cached, 3 new, and the 2
     # cached ones leave the free queue when claimed: 5 > 4 free, so B does not fit although 3 new blocks would.
-    b = Request("B", first.prompt_token_ids + [99] * 12, first.params, MinTokensStopChecker(first.params))
+    b = Request("B", first.prompt_token_ids + [99] * 12, first.params, StopChecker(first.params))
     computed, num_computed = manager.get_computed_blocks(b)
     assert num_computed == 8 and not scheduler._fits_whole(b, computed)
-    c = Request("C", first.prompt_token_ids + [99] * 7, first.params, MinTokensStopChecker(first.params))
+    c = Request("C", first.prompt_token_ids + [99] * 7, first.params, StopChecker(first.params))
     computed, _ = manager.get_computed_blocks(c)  # 15 tokens: 4 blocks, 2 cached: 2 new + 2 claimed = 4 free
     assert scheduler._fits_whole(c, computed)
 

@@ -21,24 +21,35 @@ class BlockPool:
     at either end, and O(1) removal from the middle (chapter 7 needs that to revive a cached block).
     """
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, enable_kv_cache_events: bool = False):
+        """Chapter 5's pool, remembering what its full blocks hold. A full block gets its hash and enters
+        `cached` (hash -> the blocks holding those contents). When its last owner frees it, it goes to the
+        back of the free queue *still cached*: a later request with the same prefix can revive it. Only when
+        `allocate` hands it out for new contents is its hash forgotten (lazy eviction); since the free queue
+        pops from the front, the least recently freed blocks go first (LRU). With enable_kv_cache_events,
+        every name given or forgotten is also recorded in `kv_events`, for a router."""
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks = {num_blocks!r}: must be an integer >= 1")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.block_hash: list[bytes | None] = [None] * num_blocks  # its name, while it has one
+        self.cached = BlockHashToBlockMap()
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.kv_events: list = []  # oldest first, until the engine takes them
 
     @property
     def num_free(self) -> int:
         return len(self.free_queue)
 
     def allocate(self, count: int) -> list[int]:
-        """`count` blocks, each with reference count 1; all or nothing."""
+        """`count` blocks, each with reference count 1; all or nothing. A block forgets its name here."""
         if count > self.num_free:
             raise NoFreeBlocksError(count, self.num_free)
         block_ids = [self.free_queue.popitem(last=False)[0] for _ in range(count)]
         for block_id in block_ids:
             self.ref_counts[block_id] = 1
+            self.evict(block_id)
         return block_ids
 
     def share(self, block_ids: list[int]) -> None:
@@ -60,11 +71,60 @@ class BlockPool:
         self.requeue(released)
 
     def requeue(self, block_ids: list[int]) -> None:
-        """Freed blocks go to the *front* of the free queue, the first of them first in line: memory just
-        used is reused first (vLLM does the same for blocks that hold nothing worth keeping)."""
-        for block_id in reversed(block_ids):
+        """As vLLM's free_blocks: a freed block without a name holds nothing findable, so it goes to the front
+        and is reused first; a named one goes to the back, in the order given, and waits there to be revived."""
+        for block_id in reversed([b for b in block_ids if self.block_hash[b] is None]):
             self.free_queue[block_id] = None
             self.free_queue.move_to_end(block_id, last=False)
+        for block_id in block_ids:
+            if self.block_hash[block_id] is not None:
+                self.free_queue[block_id] = None
+
+    def cache(self, block_id: int, block_hash: bytes) -> None:
+        """Name a full block by its contents, even when another block already has that name (as vLLM:
+        a block table never changes a block it has handed out, so duplicates are not merged)."""
+        if self.block_hash[block_id] is not None:
+            raise ValueError(f"block {block_id} is already named: a full block's contents never change")
+        self.block_hash[block_id] = block_hash
+        self.cached.insert(block_hash, block_id)
+
+    def evict(self, block_id: int) -> None:
+        """Forget what a block holds."""
+        block_hash = self.block_hash[block_id]
+        if block_hash is not None:
+            self.cached.pop(block_hash, block_id)
+            self.block_hash[block_id] = None
+            if self.enable_kv_cache_events:
+                self.kv_events.append(BlockRemoved([block_hash]))
+
+    def revive(self, block_ids: list[int]) -> None:
+        """Claim cached blocks: a free one leaves the free queue (O(1), from anywhere in it); one in use is shared."""
+        for block_id in block_ids:
+            if self.ref_counts[block_id] == 0:
+                del self.free_queue[block_id]
+                self.ref_counts[block_id] = 1
+            else:
+                self.share([block_id])
+
+    def cache_full_blocks(self, block_ids: list[int], block_hashes: list[bytes], parent_block_hash: bytes | None,
+                          token_ids: list[int], block_size: int) -> None:
+        """Name a run of one request's consecutive full blocks, duplicates included; one event for the run."""
+        for block_id, block_hash in zip(block_ids, block_hashes, strict=True):
+            self.cache(block_id, block_hash)
+        if self.enable_kv_cache_events and block_ids:
+            self.kv_events.append(BlockStored(list(block_hashes), parent_block_hash, list(token_ids), block_size))
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every block's name (the blocks stay where they are)."""
+        self.block_hash = [None] * self.num_blocks
+        self.cached = BlockHashToBlockMap()
+        if self.enable_kv_cache_events:
+            self.kv_events.append(AllBlocksCleared())
+
+    def take_events(self) -> list:
+        """The events recorded since the last call, oldest first (vLLM's BlockPool.take_events)."""
+        events, self.kv_events = self.kv_events, []
+        return events
 
 
 class BlockHashToBlockMap(Mapping):
@@ -94,81 +154,3 @@ class BlockHashToBlockMap(Mapping):
 
     def __len__(self) -> int:
         return len(self._blocks)
-
-
-class PrefixCachingBlockPool(BlockPool):
-    """A block pool that remembers what its full blocks hold.
-
-    A full block gets its hash and enters `cached` (hash -> the blocks holding those contents). When its last
-    owner frees it, it goes to the back of the free queue *still cached*: a later request with the same prefix
-    can revive it. Only when `allocate` hands it out for new contents is its hash forgotten (lazy eviction);
-    since the free queue pops from the front, the least recently freed blocks go first (LRU). With
-    enable_kv_cache_events, every name given or forgotten is also recorded in `kv_events`, for a router.
-    """
-
-    def __init__(self, num_blocks: int, enable_kv_cache_events: bool = False):
-        super().__init__(num_blocks)
-        self.block_hash: list[bytes | None] = [None] * num_blocks
-        self.cached = BlockHashToBlockMap()
-        self.enable_kv_cache_events = enable_kv_cache_events
-        self.kv_events: list = []  # oldest first, until the engine takes them
-
-    def cache(self, block_id: int, block_hash: bytes) -> None:
-        """Name a full block by its contents, even when another block already has that name (as vLLM:
-        a block table never changes a block it has handed out, so duplicates are not merged)."""
-        if self.block_hash[block_id] is not None:
-            raise ValueError(f"block {block_id} is already named: a full block's contents never change")
-        self.block_hash[block_id] = block_hash
-        self.cached.insert(block_hash, block_id)
-
-    def evict(self, block_id: int) -> None:
-        """Forget what a block holds."""
-        block_hash = self.block_hash[block_id]
-        if block_hash is not None:
-            self.cached.pop(block_hash, block_id)
-            self.block_hash[block_id] = None
-            if self.enable_kv_cache_events:
-                self.kv_events.append(BlockRemoved([block_hash]))
-
-    def allocate(self, count: int) -> list[int]:
-        block_ids = super().allocate(count)
-        for block_id in block_ids:
-            self.evict(block_id)
-        return block_ids
-
-    def revive(self, block_ids: list[int]) -> None:
-        """Claim cached blocks: a free one leaves the free queue (O(1), from anywhere in it); one in use is shared."""
-        for block_id in block_ids:
-            if self.ref_counts[block_id] == 0:
-                del self.free_queue[block_id]
-                self.ref_counts[block_id] = 1
-            else:
-                self.share([block_id])
-
-    def requeue(self, block_ids: list[int]) -> None:
-        """As vLLM's free_blocks: a freed block without a name holds nothing findable, so it goes to the front
-        and is reused first; a named one goes to the back, in the order given, and waits there to be revived."""
-        super().requeue([b for b in block_ids if self.block_hash[b] is None])
-        for block_id in block_ids:
-            if self.block_hash[block_id] is not None:
-                self.free_queue[block_id] = None
-
-    def cache_full_blocks(self, block_ids: list[int], block_hashes: list[bytes], parent_block_hash: bytes | None,
-                          token_ids: list[int], block_size: int) -> None:
-        """Name a run of one request's consecutive full blocks, duplicates included; one event for the run."""
-        for block_id, block_hash in zip(block_ids, block_hashes, strict=True):
-            self.cache(block_id, block_hash)
-        if self.enable_kv_cache_events and block_ids:
-            self.kv_events.append(BlockStored(list(block_hashes), parent_block_hash, list(token_ids), block_size))
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every block's name (the blocks stay where they are)."""
-        self.block_hash = [None] * self.num_blocks
-        self.cached = BlockHashToBlockMap()
-        if self.enable_kv_cache_events:
-            self.kv_events.append(AllBlocksCleared())
-
-    def take_events(self) -> list:
-        """The events recorded since the last call, oldest first (vLLM's BlockPool.take_events)."""
-        events, self.kv_events = self.kv_events, []
-        return events

@@ -2,17 +2,21 @@
 
 import math
 
-from minivllm.core.block_pool import BlockPool, NoFreeBlocksError, PrefixCachingBlockPool
+from minivllm.core.block_pool import BlockPool, NoFreeBlocksError
 from minivllm.core.kv_cache_utils import extend_hash_chain
 
 
 class KVCacheManager:
     """Each sequence's block table (logical block i -> physical block id), on top of a BlockPool."""
 
-    def __init__(self, pool: BlockPool, block_size: int):
-        self.pool, self.block_size = pool, block_size
+    def __init__(self, pool: BlockPool, block_size: int, enable_caching: bool = False):
+        """With enable_caching (vLLM's name), the prefix cache: a new request starts from the longest run of
+        its leading full blocks found in the cache, and its own blocks are named as soon as they are
+        allocated. Without it, chapter 5's manager: no lookup, no name."""
+        self.pool, self.block_size, self.enable_caching = pool, block_size, enable_caching
         self.block_tables: dict[object, list[int]] = {}
-        self.prefix_cache_queries = self.prefix_cache_hits = 0  # chapter 7: prompt tokens looked up, and found
+        self.num_cached_blocks: dict[str, int] = {}  # request id -> how many of its leading blocks are named
+        self.prefix_cache_queries = self.prefix_cache_hits = 0  # prompt tokens looked up, and found
 
     def blocks_needed(self, seq_id, start: int, count: int) -> int:
         """Free blocks needed to write `count` tokens from position `start`: the blocks past the table's end."""
@@ -31,45 +35,16 @@ class KVCacheManager:
         return [table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, start + count)]
 
     def free(self, seq_id) -> None:
-        """Give back a sequence's blocks, last block first (as vLLM does): of its blocks, the first ones,
-        the likeliest to be shared (ch. 7), are then the last to be handed out again."""
+        """Chapter 5's, last block first; and the count of its named blocks goes with its table."""
         self.pool.free(self.block_tables.pop(seq_id, [])[::-1])
+        self.num_cached_blocks.pop(seq_id, None)
 
-    # What chapter 6's scheduler calls, with a request; chapter 7's prefix cache overrides these three.
-    def get_computed_blocks(self, request) -> tuple[list[int], int]:
-        """Blocks that already hold a prefix of the request's tokens, and how many tokens: none here."""
-        return [], 0
-
-    def allocate_slots(self, request, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
-        """Room for the request's next num_new_tokens tokens; False, changing nothing, if the pool is short."""
-        try:
-            self.allocate(request.request_id, request.num_computed_tokens, num_new_tokens)
-        except NoFreeBlocksError:
-            return False
-        return True
-
-    def reset_prefix_cache(self) -> None:
-        """Forget what the blocks hold (a failed step leaves them unfilled): nothing to forget here."""
-
-
-class PrefixCachingKVCacheManager(KVCacheManager):
-    """Chapter 5's manager, plus the prefix cache: a new request starts from the longest run of its leading
-    full blocks found in the cache, and its own blocks are named as soon as they are allocated."""
-
-    def __init__(self, num_blocks: int, block_size: int, enable_kv_cache_events: bool = False):
-        super().__init__(PrefixCachingBlockPool(num_blocks, enable_kv_cache_events), block_size)
-        self.num_cached_blocks: dict[str, int] = {}  # request id -> how many of its leading blocks are named
-
-    def block_hashes(self, request, num_blocks: int) -> list[bytes]:
-        """The request's hash chain, extended to num_blocks blocks; kept on the request, each hash computed once."""
-        if len(request.block_hashes) < num_blocks:
-            extend_hash_chain(request.block_hashes, request.all_token_ids, self.block_size, num_blocks,
-                              request.cache_salt)
-        return request.block_hashes[:num_blocks]
-
+    # What chapter 6's scheduler calls, with a request; chapter 7 rewrites these three for its prefix cache.
     def get_computed_blocks(self, request) -> tuple[list[int], int]:
         """Its longest run of leading full blocks in the cache, and the tokens they hold: at most
         num_tokens - 1, since the last token is always computed (its logits are needed)."""
+        if not self.enable_caching:
+            return [], 0
         hit = []
         for block_hash in self.block_hashes(request, (request.num_tokens - 1) // self.block_size):
             block_id = self.pool.cached.get(block_hash)
@@ -92,11 +67,22 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         elif self.blocks_needed(request.request_id, start, num_new_tokens) > self.pool.num_free:
             return False
         self.allocate(request.request_id, start, num_new_tokens)
-        self.cache_blocks(request, start + num_new_tokens)
-        if request.num_cached_tokens is None:  # its first admission: a lookup for the statistics
-            self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += len(computed_blocks) * self.block_size
+        if self.enable_caching:
+            self.cache_blocks(request, start + num_new_tokens)
+            if request.num_cached_tokens is None:  # its first admission: a lookup for the statistics
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += len(computed_blocks) * self.block_size
         return True
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()
+
+    def block_hashes(self, request, num_blocks: int) -> list[bytes]:
+        """The request's hash chain, extended to num_blocks blocks; kept on the request, each hash computed once."""
+        if len(request.block_hashes) < num_blocks:
+            extend_hash_chain(request.block_hashes, request.all_token_ids, self.block_size, num_blocks,
+                              request.cache_salt)
+        return request.block_hashes[:num_blocks]
 
     def cache_blocks(self, request, num_computed_tokens: int) -> None:
         """Name the request's blocks that are full of known tokens once num_computed_tokens are computed."""
@@ -109,13 +95,6 @@ class PrefixCachingKVCacheManager(KVCacheManager):
                                     hashes[named - 1] if named else None,
                                     request.all_token_ids[named * size:full * size], size)
         self.num_cached_blocks[request.request_id] = full
-
-    def free(self, seq_id) -> None:
-        super().free(seq_id)
-        self.num_cached_blocks.pop(seq_id, None)
-
-    def reset_prefix_cache(self) -> None:
-        self.pool.reset_prefix_cache()
 
     def take_events(self) -> list:
         return self.pool.take_events()

@@ -63,21 +63,3 @@ class Request:
         """Its blocks are gone (preempted or finished): so are the computed tokens, and the drafts built on them."""
         self.num_computed_tokens = self.num_sent_blocks = 0
         self.spec_token_ids, self.draft_probs, self.num_draft_computed_tokens = [], None, 0
-
-
-class MinTokensStopChecker(StopChecker):
-    """Chapter 2's StopChecker, with SamplingParams.min_tokens: no stop token or stop string ends a sequence
-    within its first min_tokens tokens."""
-
-    def finish_reason(self, output_ids: list[int]) -> str | None:
-        if len(output_ids) > self.params.min_tokens:
-            return super().finish_reason(output_ids)
-        if self.detokenizer is not None:
-            self.detokenizer.update(output_ids)
-            self.searched = len(self.detokenizer.text)  # stop strings are looked for only after this text
-        last = output_ids[-1]
-        if last == self.eos_token_id or last in self.params.stop_token_ids:
-            return "stop"  # only if it was sampled without the mask (a caller's own sampler)
-        if self.max_new_tokens is not None and len(output_ids) >= self.max_new_tokens:
-            return "length"
-        return None

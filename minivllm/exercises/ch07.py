@@ -85,10 +85,11 @@ def _computed_blocks():
     lookup in a real LLMEngine with prefix caching on; tokens and cached counts are checked."""
     from minivllm.book.mechanism_checks import divergence, greedy_reference, passage_prompts, run_engine, tiny_model
     from minivllm.config import EngineConfig
-    from minivllm.core.kv_cache_manager import PrefixCachingKVCacheManager
+    from minivllm.core.block_pool import BlockPool
+    from minivllm.core.kv_cache_manager import KVCacheManager
 
     def manager(lookup, config):
-        class ReaderManager(PrefixCachingKVCacheManager):
+        class ReaderManager(KVCacheManager):
             def get_computed_blocks(self, request):
                 blocks, num_tokens = lookup(self, request)
                 blocks = list(blocks)
@@ -97,7 +98,7 @@ def _computed_blocks():
                 expect(num_tokens < request.num_tokens, f"request {request.request_id}: all {request.num_tokens} "
                        f"tokens found cached, but its last token must be computed (its logits are needed)")
                 return blocks, num_tokens
-        return ReaderManager(config.num_kv_blocks, config.block_size)
+        return ReaderManager(BlockPool(config.num_kv_blocks), config.block_size, enable_caching=True)
 
     def case(prompts, blocks, seqs, salts=None, max_tokens=6):
         def test(get_computed_blocks):

@@ -8,6 +8,7 @@ from minivllm.exercises import expect
 def _engine(config, tier_blocks: int, override: dict):
     """An OffloadingLLMEngine on the embedded model whose manager's methods in `override` are the reader's."""
     from minivllm.book.mechanism_checks import tiny_model
+    from minivllm.core.block_pool import BlockPool
     from minivllm.kv_offload.manager import OffloadingKVCacheManager, OffloadingLLMEngine
 
     model, tokenizer, _ = tiny_model()
@@ -16,7 +17,7 @@ def _engine(config, tier_blocks: int, override: dict):
     size = tier_blocks * block_bytes / 2**30
     engine = OffloadingLLMEngine(model, tokenizer, replace(config, kv_offloading_size=size))
     reader = type("ReaderManager", (OffloadingKVCacheManager,), override)
-    engine.bind(reader(config.num_kv_blocks, config.block_size))
+    engine.bind(reader(BlockPool(config.num_kv_blocks), config.block_size, config.enable_prefix_caching))
     return engine
 
 

@@ -6,25 +6,27 @@ import torch
 
 from minivllm.attention.paged import PagedAttention, PagedKVCache
 from minivllm.config import EngineConfig
-from minivllm.core.kv_cache_manager import PrefixCachingKVCacheManager
+from minivllm.core.block_pool import BlockPool
+from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.kv_events import BlockRemoved, BlockStored
-from minivllm.engine.llm_engine import KV_MANAGERS, LLMEngine
+from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.kv_offload.file_tier import FileTier, kv_identity
 from minivllm.kv_offload.tier import CPUTier, TieredKVStore
 from minivllm.spec_decode.engine import SpecDecodeEngine, SpecDecodeModelRunner
 
 
-class OffloadingKVCacheManager(PrefixCachingKVCacheManager):
+class OffloadingKVCacheManager(KVCacheManager):
     """Chapter 7's manager with a second tier behind the pool: the scheduler side of vLLM's OffloadingConnector.
 
-    A request's prefix is looked up in the pool first, then, where the pool's run of hits ends, in the tier.
+    A request's prefix is looked up in the pool first (if its prefix cache is on), then, where the pool's run
+    of hits ends, in the tier.
     The blocks the tier holds count as computed; they get fresh pool blocks at allocation, and their keys
     and values are copied in before the step runs. Every block a step fills is offered to the tier after it."""
 
-    def __init__(self, num_blocks: int, block_size: int, store: TieredKVStore | None = None,
-                 offload_prompt_only: bool = True, enable_kv_cache_events: bool = False):
-        super().__init__(num_blocks, block_size, enable_kv_cache_events)
+    def __init__(self, pool: BlockPool, block_size: int, enable_caching: bool = False,
+                 store: TieredKVStore | None = None, offload_prompt_only: bool = True):
+        super().__init__(pool, block_size, enable_caching)
         self.store = store  # the engine binds it once the paged cache, and so a block's size, exists
         self.offload_prompt_only = offload_prompt_only  # vLLM's default too: a prompt's blocks, not the output's
         self.tier_hits: dict[str, list] = {}  # request id -> the KV of the blocks found in the tier, to load
@@ -141,14 +143,6 @@ class OffloadingModelRunner(ModelRunner):
         return output
 
 
-def offloading_manager(config: EngineConfig) -> OffloadingKVCacheManager:
-    return OffloadingKVCacheManager(config.num_kv_blocks, config.block_size,
-                                    enable_kv_cache_events=config.enable_kv_cache_events)
-
-
-KV_MANAGERS["kv_offloading_size"] = offloading_manager  # tried before chapter 7's: registered later
-
-
 class OffloadingLLMEngine(LLMEngine):
     """Chapter 6's engine with the tiers behind its pool: `config.kv_offloading_size` GiB of host memory
     and, with `file_root`, up to `file_bytes` of block files there (named for `model_name`, its weights and the block shape).
@@ -170,6 +164,12 @@ class OffloadingLLMEngine(LLMEngine):
         self.model_runner.connector = OffloadingConnector(self.kv_cache, self.store)
         self.kv_manager.offload_prompt_only = offload_prompt_only
         self.bind(self.kv_manager)
+
+    def make_kv_manager(self) -> OffloadingKVCacheManager:
+        """Chapter 7's pool and switches, with the tier's manager around the pool."""
+        config = self.config
+        pool = BlockPool(config.num_kv_blocks, config.enable_kv_cache_events)
+        return OffloadingKVCacheManager(pool, config.block_size, enable_caching=config.enable_prefix_caching)
 
     def bind(self, manager: OffloadingKVCacheManager) -> None:
         """Make `manager` the engine's: it gets the tiers, the scheduler uses it, the runner asks it for transfers."""

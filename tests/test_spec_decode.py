@@ -148,7 +148,8 @@ def test_sampled_tokens_follow_the_target_distribution(tmp_path, method, seed):
                               EngineConfig(block_size=4, num_kv_blocks=4096, max_num_seqs=256,
                                            max_num_batched_tokens=2048), _backend(), config)
     prompt, samples = [3, 5, 3, 6], 3000
-    engine.add_request("r", prompt, SamplingParams(n=samples, temperature=1.0, seed=seed, max_tokens=4, ignore_eos=True))
+    engine.add_request("r", prompt, SamplingParams(n=samples, temperature=1.0, seed=seed, max_tokens=4,
+                                                   ignore_eos=True))
     fourth = torch.zeros(vocab)
     for completion in run(engine)["r"].outputs:
         fourth[completion.token_ids[3]] += 1

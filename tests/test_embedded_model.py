@@ -49,3 +49,35 @@ def test_model_card_reports_training(folder):
     stats = json.loads((folder / "training.json").read_text())
     assert f"{stats['parameters']:,}" in card and str(stats["val_loss"]) in card
     assert "ROMEO:" in card and "char-rnn" in card
+
+
+TOKENIZER_TEXT = "ROMEO: But soft, what light through yonder window breaks?\n<|endoftext|> Juliet é ✓"
+TOKENIZER_IDS = [861, 28, 1524, 368, 1045, 14, 437, 1254, 1779, 285, 1642, 1567, 300, 1644, 85, 33, 201, 0, 1867,
+                 223, 130, 105, 223, 161, 253, 244]  # what the shipped tokenizer gave when it was trained
+
+
+@pytest.mark.parametrize("folder", [DEFAULT_MODEL, DRAFT_MODEL])
+def test_the_tokenizer_config_loads_in_transformers_4_and_5(folder):
+    """transformers 4.x (pinned by guidellm and older tools) knows no `TokenizersBackend`, transformers 5's name for
+    the class; both know `PreTrainedTokenizerFast`. 4.x before 4.50 reads the chat template from the config only.
+    (Checked by hand with transformers 4.57.6 in a separate venv: the same ids and the same rendered chat.)"""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert config["chat_template"] == (folder / "chat_template.jinja").read_text()
+    assert config["eos_token"] == config["pad_token"] == "<|endoftext|>" and config["model_max_length"] == 2048
+    auto, fast = AutoTokenizer.from_pretrained(folder), PreTrainedTokenizerFast.from_pretrained(folder)
+    assert auto(TOKENIZER_TEXT).input_ids == fast(TOKENIZER_TEXT).input_ids == TOKENIZER_IDS
+    assert auto.eos_token_id == auto.pad_token_id == 0 and auto.decode(TOKENIZER_IDS) == TOKENIZER_TEXT
+    assert auto.chat_template == config["chat_template"]
+
+
+def test_the_training_script_writes_the_portable_config(tmp_path):
+    """train_tiny rewrites what transformers 5's save_pretrained wrote, as it did for the shipped folders."""
+    from minivllm.book.texts import CORPUS
+    from minivllm.tools.train_tiny import make_tokenizer_config_portable, train_tokenizer
+
+    train_tokenizer(CORPUS[:2000], vocab_size=300).save_pretrained(tmp_path)  # as train_tiny saves it
+    make_tokenizer_config_portable(tmp_path)
+    assert (tmp_path / "tokenizer_config.json").read_text() == (DEFAULT_MODEL / "tokenizer_config.json").read_text()

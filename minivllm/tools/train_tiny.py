@@ -65,6 +65,20 @@ def train_tokenizer(text: str, vocab_size: int):
     )
 
 
+def make_tokenizer_config_portable(folder: Path) -> None:
+    """Rewrite the tokenizer_config.json that transformers 5 saved so that transformers 4.x loads it too
+    (guidellm and other tools pin transformers < 5). transformers 5 names the class `TokenizersBackend`, a
+    name 4.x does not know; both know `PreTrainedTokenizerFast`, which 5 maps to the same class, and both build
+    it from tokenizer.json alone, so the token ids do not change. The chat template also goes into the config,
+    where transformers before 4.50 looks for it (5 reads chat_template.jinja, which stays)."""
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    if (folder / "chat_template.jinja").is_file():
+        config["chat_template"] = (folder / "chat_template.jinja").read_text()
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def make_model(shape: dict, vocab_size: int, eos_id: int, seed: int):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -227,6 +241,7 @@ def main(argv=None):
         model.generation_config.do_sample = False
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
+        make_tokenizer_config_portable(folder)
         write_card(folder, name, stats, corpus_stats, greedy, sampled, MODEL_SHAPES[name])
         settings = {k: str(v) for k, v in vars(args).items() if k != "out"}  # where it was written is no setting
         (folder / "training.json").write_text(json.dumps({**stats, **corpus_stats, "args": settings}, indent=2))

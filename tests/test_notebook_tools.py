@@ -181,6 +181,14 @@ def test_a_class_step_replaces_a_method_where_it_stands(tmp_path):
     assert (engine.hook, engine.added()) == ("chapter 2", 3)
     assert notebook_tools.export_differences(tmp_path) == []
 
+    write_notebook(tmp_path / "notebooks" / "02_c.ipynb",
+                   new_code_cell("# export: minivllm/steps.py\nclass Engine(Engine):\n    part = None  # a component\n"))
+    notebook_tools.export(tmp_path)
+    text = (tmp_path / "minivllm" / "steps.py").read_text()
+    assert text.index('"""Docs."""') < text.index("part = None") < text.index("def hook")  # with the class's own
+    exec(compile(text, "steps.py", "exec"), namespace)
+    assert namespace["Engine"].part is None
+
     write_notebook(tmp_path / "notebooks" / "03_c.ipynb",
                    new_code_cell("# export: minivllm/steps.py\nclass Engine(Engine):\n    def last(self):\n"
                                  "        return super().last() + 1"))

@@ -4,6 +4,7 @@ sampled outputs follow the target's distribution, and every block comes back."""
 import pytest
 import torch
 
+from minivllm import LLM
 from minivllm.config import EngineConfig
 from minivllm.exercises.ch09 import chi_square_p_value
 from minivllm.sampling_params import SamplingParams
@@ -212,6 +213,27 @@ def test_bad_speculative_config_is_refused_naming_the_field(checkpoints, tmp_pat
         SpecDecodeEngine(model, None, config, _backend(), {"model": str(tmp_path), "num_speculative_tokens": 2})
 
 
+def test_llm_refuses_a_bad_speculative_config_before_reading_any_weight(tmp_path, monkeypatch):
+    """The architecture review found speculative_config checked after the target's weights were read."""
+    import minivllm.entrypoints.llm as entry
+
+    read = entry.load_model
+
+    def planned_only(*args, **kwargs):
+        assert kwargs.get("weights") is False, "weights read before the refusal"
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(entry, "load_model", planned_only)
+    for spec, message in [({"method": "eagle", "num_speculative_tokens": 2}, "method"), ("ngram", "a dict"),
+                          ({"method": "draft_model", "model": str(tmp_path / "none"), "num_speculative_tokens": 2},
+                           "none")]:
+        with pytest.raises((ValueError, OSError), match=message):
+            LLM(speculative_config=spec)
+    save_random_checkpoint(tmp_path / "small", "llama-untied-gqa8", vocab_size=300)
+    with pytest.raises(ValueError, match="vocabulary of 300 tokens"):
+        LLM(speculative_config={"model": str(tmp_path / "small"), "num_speculative_tokens": 2})
+
+
 def test_penalties_and_min_tokens_are_refused_with_speculation(checkpoints):
     """Verification samples from the raw logits, so chapter 6's penalties would be skipped: refused, and the
     engine goes on serving."""
@@ -230,7 +252,6 @@ def test_penalties_and_min_tokens_are_refused_with_speculation(checkpoints):
 
 
 def test_llm_api_with_the_embedded_draft_model():
-    from minivllm import LLM
     from minivllm.book.texts import CORPUS
 
     prompts = [CORPUS[:200], CORPUS[1000:1100], "ROMEO:"]

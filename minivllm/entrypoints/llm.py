@@ -15,6 +15,7 @@ from minivllm.distributed.engine import TensorParallelEngine, tensor_parallel
 from minivllm.distributed.kv_events import publishing_kv_events
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.entrypoints.chat import chat_prompts
+from minivllm.entrypoints.compatibility import check_compatible
 from minivllm.kernels.build import kernel_available
 from minivllm.kernels.cpu_gemv import use_gemv
 from minivllm.kernels.cpu_int8 import use_int8
@@ -23,7 +24,7 @@ from minivllm.kv_offload.manager import OffloadingLLMEngine, OffloadingSpecDecod
 from minivllm.model.loader import DEFAULT_MODEL, load_model
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
-from minivllm.spec_decode.engine import SpecDecodeEngine
+from minivllm.spec_decode.engine import DEFAULT_DRAFT_MODEL, SpecDecodeEngine
 
 
 @dataclass
@@ -82,6 +83,7 @@ class LLM:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         backend = (ATTENTION_SELECTORS[-1] if ATTENTION_SELECTORS else reference_backend)(attention_backend, device)
         planned, self.tokenizer = load_model(model, dtype=dtype, device=device, weights=False)
+        check_compatible(options, planned.lm_head.weight.dtype)  # the pairs of later chapters' features refused
         config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                               enable_chunked_prefill=enable_chunked_prefill, seed=seed,
@@ -219,10 +221,9 @@ def quantization_option(build, setting: str | None) -> None:
         raise ValueError(f"quantization = {setting!r}: expected one of {', '.join(map(repr, QUANTIZATIONS))}")
     if setting is None:
         return
-    dtype = next(build.model.parameters()).dtype
-    if build.device.type != "cpu" or dtype != torch.float32:
-        raise ValueError(f"quantization = {setting!r} runs fp32 activations on a CPU; this model is {dtype} on "
-                         f"{build.device}: use dtype='float32' and device='cpu', or no quantization")
+    if build.device.type != "cpu":  # with 16-bit weights: refused in the compatibility table
+        raise ValueError(f"quantization = {setting!r} runs fp32 activations on a CPU; this model is on "
+                         f"{build.device}: use device='cpu', or no quantization")
     build.after_load.append(use_int8)
 
 
@@ -230,9 +231,18 @@ LLM_OPTIONS["quantization"] = EngineOption(None, quantization_option)
 
 
 def use_speculative_decoding(build: EngineBuild, speculative_config: dict | None) -> None:
-    if speculative_config is not None:
-        build.engine_class = SpecDecodeEngine
-        build.engine_kwargs.update(speculative_config=speculative_config, share_kv_budget=build.sized_here)
+    """Checked before any weight is read: the configuration's keys, and a draft model's shapes."""
+    if speculative_config is None:
+        return
+    if not isinstance(speculative_config, dict):
+        raise ValueError(f"speculative_config = {speculative_config!r}: a dict, as vLLM's")
+    method, _, options = SpecDecodeEngine.parse_speculative_config(speculative_config)
+    if method == "draft_model":
+        planned, _ = load_model(options.get("model") or DEFAULT_DRAFT_MODEL, device=build.device, weights=False,
+                                tokenizer=False)
+        SpecDecodeEngine.check_draft(planned, build.model)
+    build.engine_class = SpecDecodeEngine
+    build.engine_kwargs.update(speculative_config=speculative_config, share_kv_budget=build.sized_here)
 
 
 LLM_OPTIONS["speculative_config"] = EngineOption(None, use_speculative_decoding)
@@ -241,9 +251,6 @@ LLM_OPTIONS["speculative_config"] = EngineOption(None, use_speculative_decoding)
 def use_tensor_parallelism(build: EngineBuild, tensor_parallel_size: int) -> None:
     """This process becomes rank 0 (scheduler, sampler, its shard); the other ranks are worker processes."""
     check_tensor_parallel_size(tensor_parallel_size, build.model.config, build.device)
-    if tensor_parallel_size > 1 and use_int8 in build.after_load:  # the workers load their shards themselves
-        raise ValueError(f"quantization with tensor_parallel_size = {tensor_parallel_size}: chapter 8b's int8 "
-                         "weights are made in this process only, and the other ranks would keep fp32 weights")
     if tensor_parallel_size > 1:
         model, dtype = build.load_args
         build.load = lambda: TensorParallelEngine.load_shard(model, dtype, build.device, 0, tensor_parallel_size)
@@ -264,8 +271,6 @@ def use_kv_events(build: EngineBuild, kv_events_config: dict | None) -> None:
     enabled = kv_events_config.get("enable_kv_cache_events", False)
     if not isinstance(enabled, bool):
         raise ValueError(f"kv_events_config['enable_kv_cache_events'] = {enabled!r}: must be True or False")
-    if enabled and not build.config.enable_prefix_caching:
-        raise ValueError("kv_events_config: KV events come from the prefix cache; enable_prefix_caching is off")
     build.config = replace(build.config, enable_kv_cache_events=enabled)
     if enabled:
         build.engine_class = publishing_kv_events(build.engine_class)
@@ -280,9 +285,6 @@ def use_kv_offloading(build: EngineBuild, size_gib: float | None) -> None:
         return
     if isinstance(size_gib, bool) or not isinstance(size_gib, (int, float)) or not 0 < size_gib < math.inf:
         raise ValueError(f"kv_offloading_size = {size_gib!r}: a number of GiB above 0, or None")
-    if "tensor_parallel_size" in build.engine_kwargs:
-        raise ValueError("kv_offloading_size: not with tensor_parallel_size > 1 here (the connector runs on rank "
-                         "0 only, and would copy its own shard of each block)")
     build.config = replace(build.config, kv_offloading_size=float(size_gib))
     engine = build.engine_class  # chapter 6's or 9's, or one that an earlier option put something in front of
     tiered = OffloadingSpecDecodeEngine if issubclass(engine, SpecDecodeEngine) else OffloadingLLMEngine
@@ -302,9 +304,9 @@ def use_kv_offloading_file_tier(build: EngineBuild, tier: dict | None) -> None:
     """A file tier behind the CPU tier: {"root_dir": folder, "size": GiB}."""
     if tier is None:
         return
-    if not issubclass(build.engine_class, OffloadingLLMEngine) or not isinstance(tier, dict) \
-            or set(tier) != {"root_dir", "size"} or not isinstance(tier["size"], (int, float)) or tier["size"] <= 0:
-        raise ValueError(f"kv_offloading_file_tier = {tier!r}: a dict of root_dir and size (GiB), with kv_offloading_size")
+    if not isinstance(tier, dict) or set(tier) != {"root_dir", "size"} or isinstance(tier["size"], bool) \
+            or not isinstance(tier["size"], (int, float)) or not 0 < tier["size"] < math.inf:
+        raise ValueError(f"kv_offloading_file_tier = {tier!r}: a dict of root_dir and size (GiB)")
     build.engine_kwargs.update(file_root=tier["root_dir"], file_bytes=round(tier["size"] * 2**30))
 
 

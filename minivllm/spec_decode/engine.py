@@ -91,6 +91,13 @@ class SpecDecodeEngine(LLMEngine):
                 raise ValueError(f"speculative_config[{key!r}] = {value!r}: must be an integer >= 1")
         return method, options["num_speculative_tokens"], options
 
+    @staticmethod
+    def check_draft(draft, model) -> None:
+        """A draft model (its shapes are enough: on the meta device too) that can guess the target's tokens."""
+        if draft.config.vocab_size != model.config.vocab_size:
+            raise ValueError(f"speculative_config['model']: vocabulary of {draft.config.vocab_size} tokens, the "
+                             f"target's has {model.config.vocab_size}; a draft must share the target's tokenizer")
+
     def __init__(self, model, tokenizer, config, backend, speculative_config: dict, share_kv_budget: bool = False):
         method, k, options = self.parse_speculative_config(speculative_config)
         if method == "ngram":
@@ -99,9 +106,7 @@ class SpecDecodeEngine(LLMEngine):
         else:
             weight = model.lm_head.weight
             draft, _ = load_model(options.get("model") or DEFAULT_DRAFT_MODEL, dtype=weight.dtype, device=weight.device)
-            if draft.config.vocab_size != model.config.vocab_size:
-                raise ValueError(f"speculative_config['model']: vocabulary of {draft.config.vocab_size} tokens, the "
-                                 f"target's has {model.config.vocab_size}; a draft must share the target's tokenizer")
+            self.check_draft(draft, model)
             if share_kv_budget:  # the blocks were counted for the target alone: make room for the draft's layers
                 target_bytes, draft_bytes = (kv_bytes_per_token(m.config.num_layers, m.config.num_kv_heads,
                                                                 m.config.head_dim, weight.element_size())

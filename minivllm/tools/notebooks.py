@@ -142,6 +142,9 @@ def merge_into(chunk: list[str], target: ast.ClassDef, lines: list[str], step: a
                                  "call super(): write the whole method")
             replaced.append((span(existing[member.name]), lines[span(member)]))
             dropped.update(range(span(member).start, span(member).stop))
+    attributes = [member for member in step.body if isinstance(member, (ast.Assign, ast.AnnAssign))]
+    for member in attributes:  # a class attribute joins the class's own, at its top
+        dropped.update(range(member.lineno - 1, member.end_lineno))
     added = [line for number, line in enumerate(lines[step.lineno:step.end_lineno], step.lineno)
              if number not in dropped]
     added = [line for i, line in enumerate(added) if line.strip() or (0 < i and added[i - 1].strip())]
@@ -151,6 +154,14 @@ def merge_into(chunk: list[str], target: ast.ClassDef, lines: list[str], step: a
     chunk[end:end] = [""] + added if added and added[0].strip() else added
     for where, text in sorted(replaced, key=lambda item: item[0].start, reverse=True):
         chunk[where] = text
+    if attributes:  # above every replaced method, so inserted last
+        assigns = [m for m in target.body if isinstance(m, (ast.Assign, ast.AnnAssign))]
+        first = target.body[0]
+        docstring = isinstance(first, ast.Expr) and isinstance(getattr(first, "value", None), ast.Constant)
+        at = assigns[-1].end_lineno if assigns else first.end_lineno if docstring else target.lineno
+        assert all(at <= where.start for where, _ in replaced), f"{name}: class attributes below a method"
+        new = [line for member in attributes for line in lines[member.lineno - 1:member.end_lineno]]
+        chunk[at:at] = new if assigns else [""] + new if docstring else new + [""]
     return "\n".join(chunk)
 
 

@@ -58,7 +58,7 @@ def client(server):
 def wait_idle(server, llm, seconds: float = 60) -> None:
     """Until the server's engine holds no request (aborts take effect at the next turn)."""
     deadline = time.time() + seconds
-    while time.time() < deadline and (server.engine.snapshot["unfinished"] or server.engine._inbox
+    while time.time() < deadline and (server.engine.snapshot["unfinished"] or server.engine._queues
                                       or llm.engine.output_processor.parents):
         time.sleep(0.02)
 

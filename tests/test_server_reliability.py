@@ -32,7 +32,7 @@ def server(llm):
 
 def wait_idle(server, llm, seconds: float = 60) -> None:
     deadline = time.time() + seconds
-    while time.time() < deadline and (server.engine.snapshot["unfinished"] or server.engine._inbox
+    while time.time() < deadline and (server.engine.snapshot["unfinished"] or server.engine._queues
                                       or llm.engine.output_processor.parents):
         time.sleep(0.02)
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]

@@ -92,7 +92,7 @@ def test_the_openai_client_sends_a_list_as_langchain_does(server, reference):
 def test_a_bad_batch_is_a_400_naming_the_prompt(server, prompt, fragment):
     status, body = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 16})
     assert status == 400 and body["error"]["param"] == "prompt" and fragment in body["error"]["message"], body
-    assert not server.engine.snapshot["unfinished"] and not server.engine._inbox
+    assert not server.engine.snapshot["unfinished"] and not server.engine._queues
 
 
 # ------------------------------------------------------------------ goal 3: model naming and cards

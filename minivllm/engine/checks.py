@@ -64,3 +64,13 @@ def check_params_against_model(params: SamplingParams, vocab: int, room: int) ->
     if params.min_tokens > room:
         raise ValueError(f"SamplingParams.min_tokens = {params.min_tokens}: the prompt leaves room for at most "
                          f"{room} new tokens within max_model_len")
+
+
+def check_async_options(client_share, stall_timeout) -> None:
+    """AsyncLLM's options (chapter 10): a client's share of the engine, and the longest a turn may take."""
+    number = lambda value: isinstance(value, (int, float)) and not isinstance(value, bool)  # noqa: E731
+    if not (number(client_share) and 0 < client_share <= 1):
+        raise ValueError(f"client_share = {client_share!r}: must be in (0, 1], the share of max_num_seqs and of "
+                         "max_num_batched_tokens that one client's requests may hold")
+    if not (number(stall_timeout) and 0 < stall_timeout < float("inf")):
+        raise ValueError(f"stall_timeout = {stall_timeout!r}: must be a number of seconds > 0")

@@ -20,7 +20,7 @@ Supported request fields: `n`, `temperature`, `top_p`, `top_k`, `min_p`, `seed`,
 `stop`, `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output`, `skip_special_tokens`,
 `add_special_tokens` (completions), `add_generation_prompt` (chat), `logprobs` (completions: 0 to 20
 alternatives; chat: true, with `top_logprobs` 0 to 20), `cache_salt`, `stream`, `stream_options`
-(`include_usage`, and `continuous_usage_stats`: usage in every chunk), `user` (ignored). OpenAI's and vLLM's
+(`include_usage`, and `continuous_usage_stats`: usage in every chunk), `user` (the client, below). OpenAI's and vLLM's
 other fields are accepted at a value that asks for nothing (`echo: false`, `tools: null`, ...; the list is
 `VLLMNoOps` in protocol.py) and refused by name otherwise; an unknown field is a 400 naming it. Choices carry
 vLLM's `stop_reason`; `usage.prompt_tokens_details.cached_tokens` (the prompt tokens served from the prefix cache)
@@ -50,7 +50,21 @@ oracle for other tenants' prompts (chapter 10). vLLM protects only `/v1/*`.
 | prompts x `n` x `max_tokens` (`max_tokens` unset: the rest of the context) | 32,768 tokens per request (`max_tokens_per_request`) | 400 naming `prompt` for a batch, else `n` (`max_tokens` when n = 1) |
 | `logprobs`, `top_logprobs` | 0 to 20 | 400 |
 | `cache_salt` | 1 to 1,024 characters | 400 |
+| `user` | at most 256 characters | 400 |
+| one client's requests in the engine | `client_share` of the seats and of the token budget (0.5) | waits its turn |
 | JSON | pydantic's parser: nesting of 200 levels at most, integers of 4,300 digits at most, valid UTF-8 and no lone surrogates | 400 |
+
+**Fairness across clients** (chapter 10's `AsyncLLM`): a client's requests hold at most `client_share` (a
+half) of the engine's seats (`max_num_seqs`) and of its token budget (`max_num_batched_tokens`, in prompt
+tokens not yet prefilled); the rest wait in front of the engine, clients taking turns. The client is the
+request's `user` field (at most 256 characters; OpenAI's end-user identifier, which vLLM accepts and ignores);
+a request without one (or with `""`) is a client of its own, its prompts together, so callers that name no
+one are scheduled as before. `user` is what the caller says: it lets an application or gateway keep its end
+users from starving each other, not stop a hostile caller, who can omit it or vary it.
+
+**A stalled engine.** A step that has run for longer than `stall_timeout` seconds (300, as vLLM's
+`VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`) means the engine cannot serve: `/health` says 503, new requests get a 503,
+and the watchdog stops the server (health.py).
 
 A client that hangs up, streaming or not, has its request aborted at the engine's next step boundary, which
 frees its KV blocks.
@@ -111,7 +125,8 @@ class OpenAIServing:
 
     def __init__(self, llm, model_names: list[str], limits: Limits, model_path: str | None = None,
                  prompt_details: bool = False):
-        self.engine, self.prompt_details = AsyncLLM(llm), prompt_details
+        self.engine = AsyncLLM(llm, limits.client_share, limits.stall_timeout)
+        self.prompt_details = prompt_details
         self.tokenizer, self.model_names, self.limits = llm.tokenizer, model_names, limits
         self.model_name, self.model_path = model_names[0], model_path or model_names[0]
         self.max_model_len = llm.engine.config.max_model_len
@@ -181,7 +196,8 @@ class OpenAIServing:
                 where = f"prompt {i}: " if len(prompts) > 1 else ""
                 raise APIError(400, where + str(error), engine_param(str(error), chat)) from None
         arrival = time.perf_counter()
-        streams = [self.engine.generate(ids, params, text, request.cache_salt) for ids, text in prompts]
+        client = f"user:{request.user}" if request.user else f"request:{uuid.uuid4().hex}"  # see the docstring
+        streams = [self.engine.generate(ids, params, text, request.cache_salt, client) for ids, text in prompts]
         firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
         failed = next((f for f in firsts if isinstance(f, BaseException)), None)
         if failed is not None:

@@ -14,9 +14,9 @@ Whom to trust, per replica:
   snapshot; the follower never dies of a line, and never clears the index on a guess;
 - **liveness**: a probe asks `/health` every `probe_interval` seconds, with a `probe_timeout`. After
   `probe_failures` failures in a row (a process stopped with SIGSTOP still accepts connections, but answers
-  nothing; a replica whose engine is dead answers 503) the replica is marked down: it gets no requests, its
-  in-flight requests end at once with a 503 (an error event mid-stream) and may be retried, and its event
-  stream is closed. When it answers again it is marked up (at the URL the supervisor gives a restarted one),
+  nothing; a replica whose engine is dead, or stalled in one step past its `stall_timeout`, answers 503) the
+  replica is marked down: it gets no requests, its in-flight requests end at once with a 503 (an error event
+  mid-stream) and may be retried, and its event stream is closed. When it answers again it is marked up (at the URL the supervisor gives a restarted one),
   and its event stream reopens with a snapshot. A replica is routed to while it is up and its event stream
   (opened with the replicas' operator key, never the client's) is open.
 

@@ -48,6 +48,8 @@ class Limits:
     keep_alive_timeout: int = 5
     limit_concurrency: int = 1000
     max_tokens_per_request: int = 32768  # n x max_tokens, over all of a request's choices
+    client_share: float = 0.5  # of max_num_seqs and max_num_batched_tokens, per client (AsyncLLM, chapter 10)
+    stall_timeout: float = 300.0  # a step running longer: the engine cannot serve (/health 503, health.py)
 
 
 def error_response(status: int, message: str, param: str | None = None, headers=None) -> JSONResponse:

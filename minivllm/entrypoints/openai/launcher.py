@@ -100,7 +100,7 @@ def run_server(llm, host: str = "127.0.0.1", port: int = 8000, model_name: str |
     names = ", ".join(map(repr, app.state.serving.model_names))
     print(f"minivllm serving {names} on http://{host}:{sock.getsockname()[1]}/v1", flush=True)
     server = uvicorn.Server(uvicorn_config(app, limits, log_level="info", access_log=access_log))
-    exit_when_dead(server, app.state.serving.engine)
+    exit_when_dead(server, app.state.serving.engine, hard_exit_after=10)
     try:
         asyncio.run(server.serve(sockets=[sock]))
     finally:

@@ -21,6 +21,7 @@ from minivllm.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default --max-logprobs
 MAX_CACHE_SALT_CHARS = 1024
+MAX_USER_CHARS = 256  # the `user` field: the client whose share of the engine a request counts against
 
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop", "stop_token_ids",
                    "ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "presence_penalty",
@@ -136,7 +137,7 @@ class SamplingFields(VLLMNoOps):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
-    user: str | None = None  # accepted and ignored, as by vLLM
+    user: str | None = Field(None, max_length=MAX_USER_CHARS)  # the client ("": none); vLLM ignores it
 
 
 class CompletionRequest(SamplingFields):

@@ -203,7 +203,7 @@ def replica_main(argv=None) -> int:
     print(f"minivllm replica {args.rank} serving on http://{args.host}:{sock.getsockname()[1]}", flush=True)
     server = uvicorn.Server(uvicorn_config(app, limits, log_level="warning"))
     server.config.timeout_graceful_shutdown = 1
-    exit_when_dead(server, app.state.serving.engine)  # then the supervisor starts a fresh replica
+    exit_when_dead(server, app.state.serving.engine, hard_exit_after=10)  # then the supervisor starts a fresh replica
     try:
         asyncio.run(server.serve(sockets=[sock]))
     except KeyboardInterrupt:

@@ -121,3 +121,6 @@ class EngineConfig:
     enable_kv_cache_events: bool = False  # chapter 7: the block pool records what it names and forgets
     kv_offloading_size: float | None = None  # chapter 13: GiB of a second tier for KV blocks
     kv_offloading_backend: str = "native"  # chapter 13
+    kv_offloading_file_tier: dict | None = None  # chapter 13: {"root_dir": folder, "size": GiB} behind the CPU tier
+    kv_offload_prompt_only: bool = True  # chapter 13: vLLM's offload_prompt_only
+    model_name: str = "model"  # the checkpoint as given: chapter 13's tier files are named for it

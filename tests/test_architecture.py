@@ -331,9 +331,9 @@ def test_no_chapter_imports_the_code_of_a_later_chapter():
     assert sorted(forward) == []
 
 
-def test_a_misspelt_keyword_and_a_switch_the_plain_engine_cannot_build_are_refused():
-    """Never ignored: a keyword no chapter defines, a tier asked of the engine without one, KV events without
-    the prefix cache whose names they report."""
+def test_a_misspelt_keyword_and_a_switch_the_engine_cannot_build_are_refused():
+    """Never ignored: a keyword no chapter defines, a tier of no size, KV events without the prefix cache whose
+    names they report."""
     from minivllm.config import EngineConfig
     from minivllm.engine.llm_engine import LLMEngine
     from minivllm.model.loader import load_model
@@ -341,8 +341,8 @@ def test_a_misspelt_keyword_and_a_switch_the_plain_engine_cannot_build_are_refus
     with pytest.raises(TypeError, match="unexpected keyword argument 'enable_prefix_cache'"):
         LLM(enable_prefix_cache=True)  # a misspelt option
     model, _ = load_model()
-    with pytest.raises(ValueError, match="kv_offloading_size = 1.0: a later chapter's engine"):
-        LLMEngine(model, None, EngineConfig(num_kv_blocks=8, kv_offloading_size=1.0))
+    with pytest.raises(ValueError, match="kv_offloading_size = 0.0 GiB"):
+        LLMEngine(model, None, EngineConfig(num_kv_blocks=8, kv_offloading_size=0.0))
     with pytest.raises(ValueError, match="enable_kv_cache_events: KV events come from the prefix cache"):
         LLMEngine(model, None, EngineConfig(num_kv_blocks=8, enable_kv_cache_events=True))
     assert not LLMEngine(model, None, EngineConfig(num_kv_blocks=8)).kv_manager.enable_caching

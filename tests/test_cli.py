@@ -112,7 +112,7 @@ def test_serve_kv_offloading_size_gives_the_engine_a_tier_of_that_size():
     kwargs = EngineArgs.from_cli_args(parser.parse_args(["--kv-offloading-size", "0.001",
                                                          "--num-gpu-blocks-override", "8"])).llm_kwargs()
     llm = LLM(**kwargs)
-    assert llm.engine.store.cpu.capacity_blocks == round(0.001 * 2**30) // llm.engine.kv_cache.bytes_per_block
+    assert llm.engine.kv_manager.store.cpu.capacity_blocks == round(0.001 * 2**30) // llm.engine.kv_cache.bytes_per_block
     assert llm.stats()["kv_offload_cpu_bytes"] == 0
 
 

@@ -19,7 +19,6 @@ from minivllm.attention.paged import PagedAttention
 from minivllm.config import EngineConfig, kv_bytes_per_token
 from minivllm.core.kv_events import BlockRemoved
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.kv_offload.manager import OffloadingLLMEngine, OffloadingSpecDecodeEngine
 from minivllm.sampling_params import SamplingParams
 from minivllm.spec_decode.engine import SpecDecodeEngine
 from tests.test_engine import load
@@ -162,14 +161,15 @@ def tiered_engine(rng: random.Random, model, config: EngineConfig, method, folde
     config = replace(config, enable_prefix_caching=True, enable_kv_cache_events=True,
                      kv_offloading_size=cpu_blocks * block_bytes / 2**30)
     file_blocks = rng.randint(2 * one_request, 6 * one_request) if rng.random() < 0.4 else 0
-    tiers = dict(file_root=root if file_blocks else None, file_bytes=file_blocks * (block_bytes + FILE_OVERHEAD),
-                 model_name="qwen3-gqa2-tied", offload_prompt_only=rng.random() < 0.6)
+    files = {"root_dir": root, "size": file_blocks * (block_bytes + FILE_OVERHEAD) / 2**30} if file_blocks else None
+    config = replace(config, kv_offloading_file_tier=files, model_name="qwen3-gqa2-tied",
+                     kv_offload_prompt_only=rng.random() < 0.6)
     spec = speculative_config(rng, method, folder)
     if spec is None:
-        engine = OffloadingLLMEngine(model, None, config, PagedAttention, **tiers)
+        engine = LLMEngine(model, None, config, PagedAttention)
     else:
-        engine = OffloadingSpecDecodeEngine(model, None, config, PagedAttention, speculative_config=spec, **tiers)
-    assert engine.store.cpu.capacity_blocks == cpu_blocks
+        engine = SpecDecodeEngine(model, None, config, PagedAttention, speculative_config=spec)
+    assert engine.kv_manager.store.cpu.capacity_blocks == cpu_blocks
     return engine, cpu_blocks * block_bytes
 
 
@@ -189,10 +189,10 @@ def test_random_workloads_with_a_kv_tier_equal_transformers_and_load_from_it(tar
         first = random_workload(rng, config.max_model_len)
         rounds = [first + flood(rng, config.max_model_len, config.num_kv_blocks * config.block_size),
                   returning_workload(rng, config.max_model_len, first, reference)]
-        events, tiers, manager = [], engine.store.tiers, engine.kv_manager
+        events, tiers, manager = [], engine.kv_manager.store.tiers, engine.kv_manager
 
         def within_bounds():
-            assert engine.store.cpu.used_bytes <= cpu_bytes and all(t.used_bytes <= t.capacity_bytes for t in tiers[1:])
+            assert engine.kv_manager.store.cpu.used_bytes <= cpu_bytes and all(t.used_bytes <= t.capacity_bytes for t in tiers[1:])
             events.extend(engine.take_events())
 
         for round_, workload in enumerate(rounds):
@@ -209,7 +209,7 @@ def test_random_workloads_with_a_kv_tier_equal_transformers_and_load_from_it(tar
                 assert cached is None or (cached % config.block_size == 0 and cached < len(prompt)), context
         loads[method] += engine.model_runner.connector.blocks_loaded
         loading_workloads += engine.model_runner.connector.blocks_loaded > 0
-        from_files += engine.store.hits.get("STORAGE", 0)
+        from_files += engine.kv_manager.store.hits.get("STORAGE", 0)
         evictions += sum(len(e.block_hashes) for e in events if isinstance(e, BlockRemoved) and e.medium == "CPU")
     print(f"{loading_workloads} of {TIER_WORKLOADS} workloads loaded blocks from the tiers; blocks loaded, by "
           f"speculative method: {loads}; found in files {from_files}; CPU tier evictions {evictions}")

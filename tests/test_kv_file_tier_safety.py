@@ -120,7 +120,7 @@ def test_weights_saved_again_in_place_are_never_served_the_old_blocks(tmp_path):
     (plain,) = LLM(str(checkpoint), num_kv_blocks=24).generate(prompt, greedy, use_tqdm=False)
     assert second.stats()["kv_offload_hit_tokens"] == 0 and out.num_cached_tokens == 0
     assert out.outputs[0].token_ids == plain.outputs[0].token_ids
-    assert second.engine.store.tiers[1].folder != first.engine.store.tiers[1].folder
+    assert second.engine.kv_manager.store.tiers[1].folder != first.engine.kv_manager.store.tiers[1].folder
 
 
 def test_an_int8_engine_and_an_fp32_engine_on_one_model_do_not_share_blocks(tmp_path):
@@ -129,7 +129,7 @@ def test_an_int8_engine_and_an_fp32_engine_on_one_model_do_not_share_blocks(tmp_
     except Exception as error:  # the int8 kernel does not build here
         pytest.skip(f"int8 not available: {error}")
     fp32 = tiered_llm(DEFAULT_MODEL, tmp_path / "kv")
-    assert int8.engine.store.tiers[1].folder != fp32.engine.store.tiers[1].folder
+    assert int8.engine.kv_manager.store.tiers[1].folder != fp32.engine.kv_manager.store.tiers[1].folder
     prompt = {"prompt_token_ids": int8.tokenizer(CORPUS[:400]).input_ids[:80]}
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     fp32.generate(prompt, greedy, use_tqdm=False)
@@ -274,7 +274,7 @@ def test_an_engine_with_every_block_file_damaged_recomputes_and_heals(tmp_path):
     prompt = {"prompt_token_ids": writer.tokenizer(CORPUS[:400]).input_ids[:80]}
     (expected,) = LLM(num_kv_blocks=24).generate(prompt, greedy, use_tqdm=False)
     writer.generate(prompt, greedy, use_tqdm=False)
-    files = writer.engine.store.tiers[1]
+    files = writer.engine.kv_manager.store.tiers[1]
     assert len(files.files) >= 4
     for block_hash in files.files:
         nested = b"[" * 20000 + b"]" * 20000

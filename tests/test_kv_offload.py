@@ -22,7 +22,6 @@ from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.kv_offload import file_tier
 from minivllm.kv_offload.file_tier import FileTier, encode_block, kv_identity
-from minivllm.kv_offload.manager import OffloadingLLMEngine
 from minivllm.kv_offload.tier import CPUTier
 from minivllm.sampling_params import SamplingParams
 
@@ -39,9 +38,10 @@ def config(blocks=24, seqs=2, budget=32, reserve_full_isl=True):
 def offloading(cfg, cpu_blocks=64, root=None, file_blocks=64, loaded=None):
     """An engine whose CPU tier holds cpu_blocks blocks (a GiB size, as vLLM's; a tier of 0 holds none)."""
     model, tokenizer = loaded or tiny_model()[:2]
-    cfg = replace(cfg, kv_offloading_size=max(cpu_blocks, 1e-6) * BLOCK_BYTES / 2**30)
-    return OffloadingLLMEngine(model, tokenizer, cfg, file_root=root, file_bytes=file_blocks * (BLOCK_BYTES + 400),
-                               model_name="tiny-shakespeare")
+    files = None if root is None else {"root_dir": root, "size": file_blocks * (BLOCK_BYTES + 400) / 2**30}
+    cfg = replace(cfg, kv_offloading_size=max(cpu_blocks, 1e-6) * BLOCK_BYTES / 2**30, kv_offloading_file_tier=files,
+                  model_name="tiny-shakespeare")
+    return LLMEngine(model, tokenizer, cfg)
 
 
 def run(engine, prompts, tag, salts=None, each_step=lambda: None):
@@ -107,12 +107,12 @@ def test_without_the_prefix_cache_the_pool_names_nothing_and_only_the_tier_serve
 
 def test_the_tiers_stay_within_their_size_and_every_pool_block_comes_back(tmp_path):
     engine = offloading(config(20, 2, 16), cpu_blocks=7, root=tmp_path, file_blocks=11)
-    file = engine.store.tiers[1]
+    file = engine.kv_manager.store.tiers[1]
     sizes = []
 
     def measure():
         on_disk = sum(p.stat().st_size for p in file.folder.glob("*.kv"))
-        sizes.append((engine.store.cpu.used_bytes, file.used_bytes, on_disk))
+        sizes.append((engine.kv_manager.store.cpu.used_bytes, file.used_bytes, on_disk))
 
     prompts = shared_prefix_prompts()
     for round_ in range(2):
@@ -152,14 +152,14 @@ def test_a_salted_tenants_blocks_are_served_to_nobody_else_from_memory_or_disk(t
     _, [unsalted] = run(engine, [secret], "unsalted")
     outputs, [same] = run(engine, [secret], "again", ["tenant-a"])
     assert (other, unsalted) == (0, 0), "another tenant, or no salt, must find none of tenant-a's blocks"
-    assert same == 40 and engine.store.hits["CPU"] > 0
+    assert same == 40 and engine.kv_manager.store.hits["CPU"] > 0
     assert_matches_transformers([secret], outputs)
 
     restarted = offloading(config(20, 1, 64), cpu_blocks=0, root=tmp_path, file_blocks=200)  # disk only
     _, [other_disk] = run(restarted, [secret], "other", ["tenant-c"])
-    assert other_disk == 0 and restarted.store.hits["STORAGE"] == 0
+    assert other_disk == 0 and restarted.kv_manager.store.hits["STORAGE"] == 0
     outputs, [same_disk] = run(restarted, [secret], "again", ["tenant-a"])
-    assert same_disk == 40 and restarted.store.hits["STORAGE"] == 10
+    assert same_disk == 40 and restarted.kv_manager.store.hits["STORAGE"] == 10
     assert_matches_transformers([secret], outputs)
 
 
@@ -188,7 +188,7 @@ def test_a_damaged_or_foreign_block_file_is_refused_once_and_recomputed(tmp_path
     prompt = passage_prompts([44])[0]
     run(offloading(config(20, 1, 64), cpu_blocks=0, root=tmp_path), [prompt], "writer")
     engine = offloading(config(20, 1, 64), cpu_blocks=0, root=tmp_path)
-    file = engine.store.tiers[1]
+    file = engine.kv_manager.store.tiers[1]
     hashes = block_hashes(prompt, 4)
     for index in (3, 6):  # two bad files: the engine says so once
         damage(kind, file.path(hashes[index]), file.identity, hashes[index], file.key)
@@ -218,7 +218,7 @@ def test_a_full_disk_fails_no_request(tmp_path, monkeypatch):
         first, _ = run(engine, [prompt], "a")
         run(engine, passage_prompts([60, 60], offset=250), "flood")
         second, [cached] = run(engine, [prompt], "b")
-    file = engine.store.tiers[1]
+    file = engine.kv_manager.store.tiers[1]
     assert sum("cannot write" in str(w.message) for w in caught) == 1
     assert file.write_failures > 1 and not file.files and not list(file.folder.glob("*.kv*"))
     assert cached == 40, "the CPU tier still serves"
@@ -233,7 +233,7 @@ from minivllm.model.loader import load_model
 model, tokenizer = load_model(None, device="cpu")
 engine = offloading(config(20, 1, 64), root=sys.argv[1], loaded=(model, tokenizer))
 outputs, cached = run(engine, [tokenizer.encode(CORPUS)[:44]], "turn")
-print(json.dumps({"tokens": outputs[0], "cached": cached[0], "from_disk": engine.store.hits["STORAGE"]}))
+print(json.dumps({"tokens": outputs[0], "cached": cached[0], "from_disk": engine.kv_manager.store.hits["STORAGE"]}))
 """
 
 
@@ -267,10 +267,10 @@ def test_llm_kv_offloading_size_has_vllms_meaning(tmp_path):
 
     llm = LLM(num_kv_blocks=16, kv_offloading_size=0.001)
     block = llm.engine.kv_cache.bytes_per_block
-    assert llm.engine.store.cpu.capacity_blocks == round(0.001 * 2**30) // block and len(llm.engine.store.tiers) == 1
+    assert llm.engine.kv_manager.store.cpu.capacity_blocks == round(0.001 * 2**30) // block and len(llm.engine.kv_manager.store.tiers) == 1
     with_files = LLM(num_kv_blocks=16, kv_offloading_size=0.001,
                      kv_offloading_file_tier={"root_dir": str(tmp_path), "size": 0.01})
-    assert with_files.engine.store.tiers[1].capacity_bytes == round(0.01 * 2**30)
+    assert with_files.engine.kv_manager.store.tiers[1].capacity_bytes == round(0.01 * 2**30)
     for bad in (0, -1, float("nan"), True, "1"):
         with pytest.raises(ValueError, match="kv_offloading_size"):
             LLM(num_kv_blocks=16, kv_offloading_size=bad)
@@ -289,10 +289,11 @@ def test_speculative_decoding_with_a_tier_equals_transformers_and_loads_from_it(
     Two rounds with a flood between them that the pool cannot hold (and preemption: admission without the
     full-prompt reservation); the second round's prefixes come from the tier; drafts are made and accepted;
     every token is transformers'; every pool block comes back. The n-gram case also publishes KV events
-    (chapter 12's engine in front of the composed one)."""
+    (chapter 12's engine in front of it)."""
     from minivllm import LLM
     from minivllm.core.kv_events import BlockStored
-    from minivllm.kv_offload.manager import OffloadingSpecDecodeEngine, OffloadingSpecDecodeModelRunner
+    from minivllm.kv_offload.manager import OffloadingConnector, OffloadingKVCacheManager
+    from minivllm.spec_decode.engine import SpecDecodeEngine
 
     spec = {"method": method, "num_speculative_tokens": 3}
     events = {"kv_events_config": {"enable_kv_cache_events": True}} if method == "ngram" else {}
@@ -301,7 +302,8 @@ def test_speculative_decoding_with_a_tier_equals_transformers_and_loads_from_it(
               speculative_config=spec | ({"prompt_lookup_max": 3, "prompt_lookup_min": 1} if method == "ngram" else {}),
               **events)
     engine = llm.engine
-    assert isinstance(engine, OffloadingSpecDecodeEngine) and isinstance(engine.model_runner, OffloadingSpecDecodeModelRunner)
+    assert isinstance(engine, SpecDecodeEngine) and isinstance(engine.kv_manager, OffloadingKVCacheManager)
+    assert isinstance(engine.model_runner.connector, OffloadingConnector)  # parts of one engine, not pair classes
     prompts, max_tokens = shared_prefix_prompts(), 12
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     rounds = []

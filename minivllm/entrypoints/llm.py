@@ -20,7 +20,6 @@ from minivllm.kernels.build import kernel_available
 from minivllm.kernels.cpu_gemv import use_gemv
 from minivllm.kernels.cpu_int8 import use_int8
 from minivllm.kernels.cpu_ops import load_cpu_ops, use_cpu_ops
-from minivllm.kv_offload.manager import OffloadingLLMEngine, OffloadingSpecDecodeEngine
 from minivllm.model.loader import DEFAULT_MODEL, load_model
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -285,12 +284,8 @@ def use_kv_offloading(build: EngineBuild, size_gib: float | None) -> None:
         return
     if isinstance(size_gib, bool) or not isinstance(size_gib, (int, float)) or not 0 < size_gib < math.inf:
         raise ValueError(f"kv_offloading_size = {size_gib!r}: a number of GiB above 0, or None")
-    build.config = replace(build.config, kv_offloading_size=float(size_gib))
-    engine = build.engine_class  # chapter 6's or 9's, or one that an earlier option put something in front of
-    tiered = OffloadingSpecDecodeEngine if issubclass(engine, SpecDecodeEngine) else OffloadingLLMEngine
-    build.engine_class = tiered if engine in (LLMEngine, SpecDecodeEngine) else \
-        type(f"Offloading{engine.__name__}", (engine, tiered), {})
-    build.engine_kwargs["model_name"] = str(build.load_args[0] or DEFAULT_MODEL)
+    build.config = replace(build.config, kv_offloading_size=float(size_gib),
+                           model_name=str(build.load_args[0] or DEFAULT_MODEL))
 
 
 def use_kv_offloading_backend(build: EngineBuild, backend: str) -> None:
@@ -307,7 +302,7 @@ def use_kv_offloading_file_tier(build: EngineBuild, tier: dict | None) -> None:
     if not isinstance(tier, dict) or set(tier) != {"root_dir", "size"} or isinstance(tier["size"], bool) \
             or not isinstance(tier["size"], (int, float)) or not 0 < tier["size"] < math.inf:
         raise ValueError(f"kv_offloading_file_tier = {tier!r}: a dict of root_dir and size (GiB)")
-    build.engine_kwargs.update(file_root=tier["root_dir"], file_bytes=round(tier["size"] * 2**30))
+    build.config = replace(build.config, kv_offloading_file_tier=dict(tier))
 
 
 LLM_OPTIONS["kv_offloading_size"] = EngineOption(None, use_kv_offloading)

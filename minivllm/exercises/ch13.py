@@ -1,4 +1,4 @@
-"""Chapter 13 exercises: the reader's tier lookup and copy-out hook run inside a real OffloadingLLMEngine."""
+"""Chapter 13 exercises: the reader's tier lookup and copy-out hook run inside a real engine with a tier."""
 
 from dataclasses import replace
 
@@ -6,18 +6,21 @@ from minivllm.exercises import expect
 
 
 def _engine(config, tier_blocks: int, override: dict):
-    """An OffloadingLLMEngine on the embedded model whose manager's methods in `override` are the reader's."""
+    """An engine with a tier on the embedded model whose manager's methods in `override` are the reader's."""
     from minivllm.book.mechanism_checks import tiny_model
     from minivllm.core.block_pool import BlockPool
-    from minivllm.kv_offload.manager import OffloadingKVCacheManager, OffloadingLLMEngine
+    from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.kv_offload.manager import OffloadingKVCacheManager
 
     model, tokenizer, _ = tiny_model()
     c = model.config
     block_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4 * config.block_size
     size = tier_blocks * block_bytes / 2**30
-    engine = OffloadingLLMEngine(model, tokenizer, replace(config, kv_offloading_size=size))
+    engine = LLMEngine(model, tokenizer, replace(config, kv_offloading_size=size))
     reader = type("ReaderManager", (OffloadingKVCacheManager,), override)
-    engine.bind(reader(BlockPool(config.num_kv_blocks), config.block_size, config.enable_prefix_caching))
+    manager = reader(BlockPool(config.num_kv_blocks), config.block_size, config.enable_prefix_caching,
+                     engine.kv_manager.store)
+    engine.kv_manager = engine.scheduler.kv_manager = manager  # the scheduler's, which sends the copies
     return engine
 
 
@@ -52,7 +55,7 @@ def _gap_in_the_tier(prompt, salt, index):
 
     def between(engine):
         engine.kv_manager.reset_prefix_cache()
-        engine.store.cpu.blocks.pop(block_hashes(prompt, 4, salt)[index], None)
+        engine.kv_manager.store.cpu.blocks.pop(block_hashes(prompt, 4, salt)[index], None)
     return between
 
 
@@ -112,7 +115,7 @@ def _exercise(name, method, counted_what):
         def case(prompts, salts, pool, between):
             def test(reader):
                 engine, reference, counts = _run_case(method, reader, prompts, salts, pool, between)
-                got, want = set(engine.store.cpu.blocks), set(reference.store.cpu.blocks)
+                got, want = set(engine.kv_manager.store.cpu.blocks), set(reference.kv_manager.store.cpu.blocks)
                 expect(got == want, f"the tier holds {len(got)} blocks, the engine's own hook stores {len(want)} "
                                     f"({len(got - want)} it would not store, {len(want - got)} missing)")
                 expect(counts["reader"] == counts["engine"], f"{counts['reader']} {counted_what} in all, "

@@ -288,8 +288,7 @@ def test_speculative_decoding_with_a_tier_equals_transformers_and_loads_from_it(
     """LLM(kv_offloading_size=..., speculative_config=...): chapter 9's verification with chapter 13's copies.
     Two rounds with a flood between them that the pool cannot hold (and preemption: admission without the
     full-prompt reservation); the second round's prefixes come from the tier; drafts are made and accepted;
-    every token is transformers'; every pool block comes back. The n-gram case also publishes KV events
-    (chapter 12's engine in front of it)."""
+    every token is transformers'; every pool block comes back. The n-gram case also records KV events."""
     from minivllm import LLM
     from minivllm.core.kv_events import BlockStored
     from minivllm.kv_offload.manager import OffloadingConnector, OffloadingKVCacheManager
@@ -325,7 +324,7 @@ def test_speculative_decoding_with_a_tier_equals_transformers_and_loads_from_it(
     assert manager.pool.num_free == manager.pool.num_blocks
     assert not (manager.block_tables or manager.tier_hits or manager.num_offered or manager.loads or manager.stores)
     if events:
-        assert any(isinstance(e, BlockStored) and e.medium == "CPU" for e in engine.kv_event_queue)
+        assert any(isinstance(e, BlockStored) and e.medium == "CPU" for e in engine.take_events())
 
 
 def test_kv_events_report_the_medium_of_every_tier(tmp_path):
@@ -336,7 +335,7 @@ def test_kv_events_report_the_medium_of_every_tier(tmp_path):
               kv_offloading_file_tier={"root_dir": str(tmp_path), "size": 0.01})
     prompt = passage_prompts([100])[0]
     llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=2), use_tqdm=False)
-    events = list(llm.engine.kv_event_queue)  # chapter 12's engine publishes every step's events there
+    events = llm.engine.take_events()  # what the pool and the tiers recorded
     stored = {(e.medium, h) for e in events if isinstance(e, BlockStored) for h in e.block_hashes}
     removed = {(e.medium, h) for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes}
     from minivllm.core.kv_cache_utils import block_hashes

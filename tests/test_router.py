@@ -181,7 +181,7 @@ def test_kv_events_mirror_the_prefix_cache_under_eviction():
     prompts = [{"prompt_token_ids": ids[i * 13:i * 13 + 30]} for i in range(5)] + [{"prompt_token_ids": ids[:30],
                                                                                    "cache_salt": "s"}]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
-    events = list(llm.engine.kv_event_queue)
+    events = llm.engine.take_events()
     kinds = {type(e).__name__ for e in events}
     assert all(e.medium == "GPU" for e in events)
     assert {"BlockStored", "BlockRemoved"} <= kinds
@@ -192,11 +192,9 @@ def test_kv_events_mirror_the_prefix_cache_under_eviction():
         index.apply(0, event)
     pool = llm.engine.kv_manager.pool
     assert index.blocks[0] == Counter({block_hash: len(pool.cached.copies(block_hash)) for block_hash in pool.cached})
-    llm.engine.kv_event_queue.clear()
-    llm.engine.kv_manager.reset_prefix_cache()  # outside a step: it goes out with the next step's events
-    assert not llm.engine.kv_event_queue
+    llm.engine.kv_manager.reset_prefix_cache()  # outside a step: recorded at once
     llm.generate({"prompt_token_ids": ids[:9]}, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-    events = list(llm.engine.kv_event_queue)
+    events = llm.engine.take_events()
     assert events[0] == AllBlocksCleared() and isinstance(events[1], BlockStored)
     with pytest.raises(ValueError, match="prefix cache"):
         LLM(num_kv_blocks=8, enable_prefix_caching=False, kv_events_config={"enable_kv_cache_events": True})
@@ -204,7 +202,7 @@ def test_kv_events_mirror_the_prefix_cache_under_eviction():
         LLM(num_kv_blocks=8, kv_events_config={"enable_kv_cache_events": "yes"})
     quiet = LLM(num_kv_blocks=8)  # off unless asked for: nothing is recorded
     quiet.generate("ROMEO:", SamplingParams(max_tokens=2), use_tqdm=False)
-    assert quiet.engine.take_events() == [] and not hasattr(quiet.engine, "kv_event_queue")
+    assert quiet.engine.take_events() == [] and not quiet.engine.kv_manager.pool.kv_events
 
 
 def test_a_removed_copy_leaves_the_other_copy_findable():
@@ -219,7 +217,7 @@ def test_a_removed_copy_leaves_the_other_copy_findable():
     llm.generate([{"prompt_token_ids": twin}] * 2, greedy, use_tqdm=False)  # 5 named blocks: the last one twice
     # 8 blocks: the 7 that hold no name, then the least recently freed named one, the first copy of the last block
     llm.generate({"prompt_token_ids": ids[300:332]}, greedy, use_tqdm=False)
-    events = list(llm.engine.kv_event_queue)
+    events = llm.engine.take_events()
     for event in events:
         index.apply(0, event)
     chain = block_hashes(twin, 4)
@@ -459,18 +457,15 @@ def alive(pid: int) -> bool:
 
 
 def test_kv_events_compose_with_tensor_parallelism():
-    """Chapter 12's option goes in front of whatever engine LLM chose, a tensor-parallel one included: the
-    driver's pool records the events, and replaying them gives what its pool holds."""
+    """With tensor parallelism the driver's pool records the events, and replaying them gives what it holds."""
     llm = LLM(device="cpu", num_kv_blocks=32, block_size=4, tensor_parallel_size=2,
               kv_events_config={"enable_kv_cache_events": True})
     try:
-        names = [k.__name__ for k in type(llm.engine).__mro__]
-        assert names.index("KVEventPublishingEngine") < names.index("TensorParallelEngine") < names.index("LLMEngine")
         ids = llm.get_tokenizer()(CORPUS[:400]).input_ids
         llm.generate([{"prompt_token_ids": ids[:18]}, {"prompt_token_ids": ids[40:70]}],
                      SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
         index = BlockIndex(1)
-        for event in llm.engine.kv_event_queue:
+        for event in llm.engine.take_events():
             index.apply(0, event)
         pool = llm.engine.kv_manager.pool
         assert index.blocks[0] == Counter({h: len(pool.cached.copies(h)) for h in pool.cached}) and index.blocks[0]

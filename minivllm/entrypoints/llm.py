@@ -12,7 +12,6 @@ from minivllm.attention.selector import attention_backend_class
 from minivllm.config import EngineConfig, kv_bytes_per_token
 from minivllm.distributed.checks import check_tensor_parallel_size
 from minivllm.distributed.engine import TensorParallelEngine, tensor_parallel
-from minivllm.distributed.kv_events import publishing_kv_events
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.entrypoints.chat import chat_prompts
 from minivllm.entrypoints.compatibility import check_compatible
@@ -261,8 +260,8 @@ LLM_OPTIONS["tensor_parallel_size"] = EngineOption(1, use_tensor_parallelism)
 
 
 def use_kv_events(build: EngineBuild, kv_events_config: dict | None) -> None:
-    """vLLM's kv_events_config: {"enable_kv_cache_events": True} makes the pool record its KV events, and the
-    engine put each step's in `engine.kv_event_queue`."""
+    """vLLM's kv_events_config: {"enable_kv_cache_events": True} makes the pool record its KV events, which
+    `engine.take_events()` hands over, to any thread."""
     if kv_events_config is None:
         return
     if not isinstance(kv_events_config, dict) or set(kv_events_config) - {"enable_kv_cache_events"}:
@@ -271,8 +270,6 @@ def use_kv_events(build: EngineBuild, kv_events_config: dict | None) -> None:
     if not isinstance(enabled, bool):
         raise ValueError(f"kv_events_config['enable_kv_cache_events'] = {enabled!r}: must be True or False")
     build.config = replace(build.config, enable_kv_cache_events=enabled)
-    if enabled:
-        build.engine_class = publishing_kv_events(build.engine_class)
 
 
 LLM_OPTIONS["kv_events_config"] = EngineOption(None, use_kv_events)

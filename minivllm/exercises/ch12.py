@@ -21,7 +21,7 @@ def _cached_prefix_tokens():
             for tokens, salt in zip(earlier, salts_):
                 llm.generate({"prompt_token_ids": tokens, "cache_salt": salt} if salt else {"prompt_token_ids": tokens},
                              SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
-            for event in llm.engine.kv_event_queue:
+            for event in llm.engine.take_events():
                 index.apply(0, event)
             held = frozenset(index.blocks[0])
             got = cached_prefix_tokens(list(request), block_size, salts_[-1], held)

@@ -5,7 +5,7 @@ import hashlib
 import json
 import os
 import warnings
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from pathlib import Path
 
 import torch
@@ -100,7 +100,7 @@ class FileTier:
         # block hash -> file size, oldest use first: regular files of the right size (anything else is removed)
         found, self.refused = scan_folder(self.folder, self.file_size)
         self.files = OrderedDict((block_hash, self.file_size(block_hash)) for block_hash in found)
-        self.events: list[tuple[str, bytes, str]] | None = [] if record_events else None
+        self.events: deque[tuple[str, bytes, str]] | None = deque() if record_events else None
         self.write_failures, self.warned = 0, set()
         if self.refused:
             self.warn_once("refused", f"KV file tier: refused {self.refused} entries under blocks' names at start "

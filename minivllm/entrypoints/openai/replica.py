@@ -70,12 +70,12 @@ class Subscriber:
 
 
 class KVEventPublisher:
-    """Drains an engine's KV-event deque (`engine.kv_event_queue`, filled at the end of each step by the engine's
-    worker thread) on the event loop, keeps a mirror of the named blocks for the snapshot a new (or
+    """Takes an engine's KV events (`engine.take_events`, which the pool records in the engine's worker thread and
+    any thread may take) on the event loop, keeps a mirror of the named blocks for the snapshot a new (or
     resynchronised) subscriber gets, and fans events out as JSON lines to bounded backlogs."""
 
-    def __init__(self, events, block_size: int):
-        self.events, self.block_size = events, block_size
+    def __init__(self, take_events, block_size: int):
+        self.take_events, self.block_size = take_events, block_size
         self.mirror = BlockIndex(1)  # what the events said so far, copies counted, as the router keeps it
         self.subscribers: list[Subscriber] = []
         self.task: asyncio.Task | None = None
@@ -83,8 +83,7 @@ class KVEventPublisher:
         self.resyncs = 0  # subscribers that fell behind by MAX_BACKLOG lines
 
     def drain(self) -> None:
-        while self.events:
-            event = self.events.popleft()
+        for event in self.take_events():
             self.mirror.apply(0, event)
             line = json.dumps(event_to_json(event)) + "\n"
             self.published += 1
@@ -141,7 +140,7 @@ def build_replica_app(llm, model_name: str | list[str] = "minivllm", api_key: st
     app = build_app(llm, model_name, api_key, limits, model_path, enable_prompt_tokens_details,
                     path_keys={"/kv_events": operator_key})
     app.state.operator_key = operator_key
-    publisher = app.state.kv_events = KVEventPublisher(llm.engine.kv_event_queue, llm.engine.config.block_size)
+    publisher = app.state.kv_events = KVEventPublisher(llm.engine.take_events, llm.engine.config.block_size)
     engine = app.state.serving.engine  # the AsyncLLM: its turns are the only code that touches the engine
 
     async def kv_events():

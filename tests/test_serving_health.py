@@ -19,7 +19,7 @@ import pytest
 
 from minivllm import LLM
 from minivllm.book.texts import CORPUS
-from minivllm.distributed.engine import TensorParallelEngine
+from minivllm.engine.llm_engine import LLMEngine
 from minivllm.entrypoints.openai.api_server import Limits
 from minivllm.entrypoints.openai.health import engine_problem, exit_when_dead
 from minivllm.entrypoints.openai.launcher import BackgroundServer, ThreadedUvicorn
@@ -98,7 +98,7 @@ def test_health_fails_once_a_tensor_parallel_worker_died(monkeypatch):
     """The reproducer: a server on a TP = 2 engine, its worker killed. /health (and /ping) said 200 while every
     request failed; now they say 503 naming the rank, a request gets a 503 at once, and the watchdog (vLLM's
     terminate_if_errored) asks the server to exit."""
-    monkeypatch.setattr(TensorParallelEngine, "timeout_s", 10.0)
+    monkeypatch.setattr(LLMEngine, "timeout_s", 10.0)
     tp = LLM(device="cpu", num_kv_blocks=32, tensor_parallel_size=2)
     try:
         with BackgroundServer(tp) as server:

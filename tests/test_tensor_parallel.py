@@ -15,7 +15,7 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.attention.base import NoCacheAttention
-from minivllm.distributed.engine import TensorParallelEngine
+from minivllm.engine.llm_engine import LLMEngine
 from minivllm.distributed.shard import load_shard
 from minivllm.engine.llm_engine import EngineStepError
 from tests.conftest import save_random_checkpoint, transformers_greedy
@@ -91,7 +91,7 @@ def test_random_checkpoint_tp2_matches_transformers(tmp_path):
                                          (True, "must be an integer"), (16, "does not divide")])
 def test_bad_sizes_are_refused_before_any_process_starts(monkeypatch, size, words):
     started = []
-    monkeypatch.setattr("minivllm.distributed.engine.TensorParallelWorkers.__init__",
+    monkeypatch.setattr("minivllm.engine.llm_engine.TensorParallelWorkers.__init__",
                         lambda *a, **k: started.append(1) or (_ for _ in ()).throw(AssertionError("started")))
     with pytest.raises(ValueError, match="tensor_parallel_size") as error:
         LLM(device="cpu", num_kv_blocks=16, tensor_parallel_size=size)
@@ -102,14 +102,13 @@ def test_bad_sizes_are_refused_before_any_process_starts(monkeypatch, size, word
     {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1},
     {"method": "draft_model", "num_speculative_tokens": 3}], ids=["ngram", "draft_model"])
 def test_tp2_composes_with_speculative_decoding(speculative_config):
-    """Issue 27: the tensor-parallel mixins go in front of chapter 9's engine and runner. Draft tokens are batch
-    tokens like any others, verified by chapter 9's own sample; greedy output is transformers', and drafts were
-    accepted, so verification really ran on two ranks."""
+    """Issue 27: chapter 9's engine with workers. Draft tokens are batch tokens like any others, verified by
+    chapter 9's own sample; greedy output is transformers', and drafts were accepted, so verification really
+    ran on two ranks."""
     prompts = ["ROMEO:\n", "O, " * 12, "First Citizen:\nBefore we proceed any further, hear me speak."]
     llm = LLM(device="cpu", num_kv_blocks=64, tensor_parallel_size=2, speculative_config=speculative_config)
     try:
-        assert [type(llm.engine).__mro__[1].__name__, type(llm.engine).__mro__[2].__name__] == \
-            ["TensorParallelEngine", "SpecDecodeEngine"]
+        assert type(llm.engine).__name__ == "SpecDecodeEngine" and llm.engine.model_runner.workers is not None
         from minivllm.book.mechanism_checks import greedy_reference
 
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
@@ -132,7 +131,7 @@ def test_every_rank_the_driver_included_reads_only_its_shard(monkeypatch):
     def recording(model, dtype, device, rank, world_size):
         ranks_read_here.append((rank, world_size))
         return load_shard(model, dtype, device, rank, world_size)
-    monkeypatch.setattr(TensorParallelEngine, "load_shard", staticmethod(recording))
+    monkeypatch.setattr(LLMEngine, "load_shard", staticmethod(recording))
     llm = LLM(device="cpu", num_kv_blocks=16, tensor_parallel_size=2)
     try:
         assert ranks_read_here == [(0, 2)]  # this process read rank 0's shard only; rank 1 read in its process
@@ -144,7 +143,7 @@ def test_every_rank_the_driver_included_reads_only_its_shard(monkeypatch):
 
 
 def test_a_killed_worker_fails_the_requests_naming_its_rank(monkeypatch):
-    monkeypatch.setattr(TensorParallelEngine, "timeout_s", 10.0)
+    monkeypatch.setattr(LLMEngine, "timeout_s", 10.0)
     llm = LLM(device="cpu", num_kv_blocks=32, tensor_parallel_size=2)
     try:
         [pid] = worker_pids(llm)
@@ -163,7 +162,7 @@ def test_a_killed_worker_fails_the_requests_naming_its_rank(monkeypatch):
 
 def test_a_worker_killed_mid_step_is_detected_not_waited_for(monkeypatch):
     """Killed while the driver waits in an all-reduce: gloo sees the closed connection (or times out)."""
-    monkeypatch.setattr(TensorParallelEngine, "timeout_s", 5.0)
+    monkeypatch.setattr(LLMEngine, "timeout_s", 5.0)
     llm = LLM(device="cpu", num_kv_blocks=32, tensor_parallel_size=2)
     [pid] = worker_pids(llm)
     model, calls = llm.engine.model, []
@@ -240,7 +239,7 @@ def test_a_worker_that_fails_to_load_is_named_with_its_traceback(monkeypatch):
         if rank:
             raise FileNotFoundError("model-00002-of-00002.safetensors is missing")
         return load_shard(model, dtype, device, rank, world_size)
-    monkeypatch.setattr(TensorParallelEngine, "load_shard", staticmethod(no_shard))
+    monkeypatch.setattr(LLMEngine, "load_shard", staticmethod(no_shard))
     with pytest.raises(RuntimeError, match=r"rank 1 failed to start:(.|\n)*FileNotFoundError: model-00002"):
         LLM(device="cpu", num_kv_blocks=16, tensor_parallel_size=2)
 
@@ -254,7 +253,7 @@ def test_a_worker_that_dies_without_a_traceback_is_explained_by_its_last_stderr_
             os.write(2, b"out of shared memory, giving up\n")
             os._exit(3)
         return load_shard(model, dtype, device, rank, world_size)
-    monkeypatch.setattr(TensorParallelEngine, "load_shard", staticmethod(vanish))
+    monkeypatch.setattr(LLMEngine, "load_shard", staticmethod(vanish))
     with pytest.raises(RuntimeError, match=r"rank 1 died \(exit code 3\):\nout of shared memory, giving up"):
         LLM(device="cpu", num_kv_blocks=16, tensor_parallel_size=2)
 
@@ -339,15 +338,13 @@ def test_a_worker_replaying_the_journal_keeps_the_drivers_block_tables(speculati
     """Each worker runs chapter 6's ModelRunner with its own block tables, made by replaying the driver's journal:
     after every step the replayed tables equal the driver's row for row, through preemptions, prefix hits and the
     blocks speculative decoding reserves between steps."""
-    from minivllm.distributed.executor import JournaledBlockTables, replay
+    from minivllm.distributed.executor import replay
     from minivllm.engine.model_runner import BlockTables
 
     llm = LLM(device="cpu", num_kv_blocks=14, block_size=4, max_num_seqs=4, max_num_batched_tokens=24,
               attention_backend="torch", speculative_config=speculative_config, scheduler_reserve_full_isl=False)
     runner = llm.engine.model_runner
-    runner.block_tables = JournaledBlockTables()
-    if speculative_config and speculative_config["method"] == "draft_model":
-        llm.engine.proposer.block_tables = runner.block_tables
+    runner.block_tables.journal = []  # as start_workers does: the draft model's proposer reads the same tables
     worker_tables, forward, steps = BlockTables(), runner.forward, [0]
 
     def forward_as_a_worker_would(work):

@@ -25,26 +25,6 @@ from minivllm.distributed.worker_plumbing import (
 from minivllm.engine.model_runner import BlockTables, ModelRunner
 
 
-class JournaledBlockTables(BlockTables):
-    """The driver's block tables, recording every change since the journal was last taken: (method, *args)."""
-
-    def __init__(self):
-        super().__init__()
-        self.journal: list[tuple] = []
-
-    def forget(self, request_id: str) -> None:
-        self.journal.append(("forget", request_id))
-        super().forget(request_id)
-
-    def append(self, request_id: str, block_ids: list[int]) -> None:
-        self.journal.append(("append", request_id, list(block_ids)))
-        super().append(request_id, block_ids)
-
-    def take_journal(self) -> list[tuple]:
-        journal, self.journal = self.journal, []
-        return journal
-
-
 def replay(block_tables: BlockTables, journal: list[tuple]) -> None:
     """Make the driver's changes, in its order, to a worker's tables."""
     for method, *args in journal:

@@ -11,7 +11,6 @@ from minivllm.attention.paged import PagedAttention
 from minivllm.attention.selector import attention_backend_class
 from minivllm.config import EngineConfig, kv_bytes_per_token
 from minivllm.distributed.checks import check_tensor_parallel_size
-from minivllm.distributed.engine import TensorParallelEngine, tensor_parallel
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.entrypoints.chat import chat_prompts
 from minivllm.entrypoints.compatibility import check_compatible
@@ -40,6 +39,7 @@ class EngineBuild:
     load_args: tuple  # LLM's (model, dtype) as given: chapter 11's worker processes load the same checkpoint
     sized_here: bool  # the KV cache is sized from a memory budget, not given as num_kv_blocks
     after_load: list[Callable[[torch.nn.Module], None]] = field(default_factory=list)  # run on the loaded model
+    after_build: list[Callable[[LLMEngine], None]] = field(default_factory=list)  # run on the engine, once made
     engine_class: type[LLMEngine] = LLMEngine
     engine_kwargs: dict = field(default_factory=dict)
 
@@ -99,6 +99,8 @@ class LLM:
             num_kv_blocks = kv_blocks_for(lm, block_size, kv_cache_memory_bytes)
         self.engine = build.engine_class(lm, build.tokenizer, replace(build.config, num_kv_blocks=num_kv_blocks),
                                          build.backend, **build.engine_kwargs)
+        for start in build.after_build:
+            start(self.engine)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -251,9 +253,8 @@ def use_tensor_parallelism(build: EngineBuild, tensor_parallel_size: int) -> Non
     check_tensor_parallel_size(tensor_parallel_size, build.model.config, build.device)
     if tensor_parallel_size > 1:
         model, dtype = build.load_args
-        build.load = lambda: TensorParallelEngine.load_shard(model, dtype, build.device, 0, tensor_parallel_size)
-        build.engine_class = tensor_parallel(build.engine_class)
-        build.engine_kwargs.update(tensor_parallel_size=tensor_parallel_size, load_args=build.load_args)
+        build.load = lambda: LLMEngine.load_shard(model, dtype, build.device, 0, tensor_parallel_size)
+        build.after_build.append(lambda engine: engine.start_workers(tensor_parallel_size, build.load_args))
 
 
 LLM_OPTIONS["tensor_parallel_size"] = EngineOption(1, use_tensor_parallelism)

@@ -126,10 +126,10 @@ def _engine_case(candidate):
     module in place of its whole table; greedy tokens against transformers."""
     from minivllm import LLM, SamplingParams
     from minivllm.book.mechanism_checks import divergence, greedy_reference, passage_prompts
-    from minivllm.distributed.engine import TensorParallelEngine
+    from minivllm.engine.llm_engine import LLMEngine
     from minivllm.distributed.parallel_state import tensor_model_parallel_all_reduce
 
-    reads_shard = TensorParallelEngine.load_shard
+    reads_shard = LLMEngine.load_shard
 
     def load_with_reader_embedding(model, dtype, device, rank, world_size):
         lm = reads_shard(model, dtype, device, rank, world_size)
@@ -139,7 +139,7 @@ def _engine_case(candidate):
     prompts = passage_prompts([PROMPT_TOKENS, PROMPT_TOKENS + 5])
     saved = {name: os.environ.get(name) for name in START_METHOD_VARIABLES}
     os.environ.update(dict.fromkeys(saved, "fork"))  # the worker inherits the reader's class: a notebook's has no name
-    TensorParallelEngine.load_shard = staticmethod(load_with_reader_embedding)
+    LLMEngine.load_shard = staticmethod(load_with_reader_embedding)
     try:
         llm = LLM(device="cpu", num_kv_blocks=32, tensor_parallel_size=2)
         try:
@@ -148,7 +148,7 @@ def _engine_case(candidate):
         finally:
             llm.shutdown()
     finally:
-        TensorParallelEngine.load_shard = staticmethod(reads_shard)
+        LLMEngine.load_shard = staticmethod(reads_shard)
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name)

@@ -2,7 +2,7 @@
 health.py) asks the engine client's `check_health()` (vllm/v1/engine/async_llm.py), which raises EngineDeadError
 once the engine core has died: 503. Here the engine is in this process, so `engine_problem` looks at what can stop
 it serving: a tensor-parallel worker that has exited, a tensor-parallel runner that refuses every step after an
-earlier failure (`TensorParallelRunner.broken`, chapter 11), an engine loop that ended on an exception, or a step that has not returned for longer than the AsyncLLM's
+earlier failure (`ModelRunner.broken`, chapter 11), an engine loop that ended on an exception, or a step that has not returned for longer than the AsyncLLM's
 `stall_timeout` (vLLM bounds a step the same way, with VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, 300 s, in
 vllm/v1/executor/multiproc_executor.py; past it the engine core dies). The step runs in a worker thread, so the
 event loop answers `/health` meanwhile; a step that held the GIL throughout would leave `/health` unanswered,

@@ -51,6 +51,30 @@ def test_the_engine_never_imports_the_book_or_the_tools():
     assert {m: i for m, i in offenders.items() if i} == {}
 
 
+def test_no_class_is_made_at_run_time_and_none_is_deeper_than_two_of_ours():
+    """Issue 37: one class per role, composed from parts; no class factories (type() with three arguments), no
+    mixin towers: every class of the package has at most two minivllm classes among its ancestors."""
+    made = [f"{path.relative_to(PACKAGE)}:{node.lineno}" for path in PACKAGE.rglob("*.py")
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "type" and len(node.args) == 3]
+    assert made == []
+    import importlib
+    import inspect
+    import pkgutil
+
+    deep = []
+    for info in pkgutil.walk_packages(minivllm.__path__, "minivllm."):
+        if info.name.endswith("__main__"):
+            continue
+        module = importlib.import_module(info.name)
+        for name, cls in vars(module).items():
+            if inspect.isclass(cls) and cls.__module__ == module.__name__:
+                ours = [k.__name__ for k in cls.__mro__[1:] if k.__module__.startswith("minivllm")]
+                if len(ours) > 2:
+                    deep.append(f"{module.__name__}.{name}: {ours}")
+    assert deep == []
+
+
 def test_no_import_cycles():
     graph = module_imports()
 

@@ -1,5 +1,6 @@
 """Chapter 13 exercises: the reader's tier lookup and copy-out hook run inside a real engine with a tier."""
 
+import types
 from dataclasses import replace
 
 from minivllm.exercises import expect
@@ -17,9 +18,10 @@ def _engine(config, tier_blocks: int, override: dict):
     block_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4 * config.block_size
     size = tier_blocks * block_bytes / 2**30
     engine = LLMEngine(model, tokenizer, replace(config, kv_offloading_size=size))
-    reader = type("ReaderManager", (OffloadingKVCacheManager,), override)
-    manager = reader(BlockPool(config.num_kv_blocks), config.block_size, config.enable_prefix_caching,
-                     engine.kv_manager.store)
+    manager = OffloadingKVCacheManager(BlockPool(config.num_kv_blocks), config.block_size,
+                                       config.enable_prefix_caching, engine.kv_manager.store)
+    for name, method in override.items():  # the reader's, bound to this manager
+        setattr(manager, name, types.MethodType(method, manager))
     engine.kv_manager = engine.scheduler.kv_manager = manager  # the scheduler's, which sends the copies
     return engine
 

@@ -72,11 +72,40 @@ def NoOp(*allowed, kinds: tuple[type, ...] = ()):
     return Annotated[Any, AfterValidator(check)]
 
 
-class VLLMNoOps(OpenAIModel):
-    """OpenAI's and vLLM's fields (vllm/entrypoints/openai/completion/protocol.py, chat_completion/protocol.py)
-    that clients send at their defaults: accepted at a value that asks for nothing, refused by name otherwise.
-    (vLLM accepts them all, and any unknown field with a log line; minivllm refuses fields it does not know.)"""
+class StreamOptions(OpenAIModel):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
 
+
+class SamplingFields(OpenAIModel):
+    """The fields both generation endpoints share: OpenAI's, plus vLLM's extras (`top_k`, `min_p`,
+    `ignore_eos`, `stop_token_ids`, ..., which the `openai` client sends through `extra_body`), and the fields
+    clients send at their defaults (below)."""
+
+    model: str | None = None
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    user: str | None = Field(None, max_length=MAX_USER_CHARS)  # the client ("": none); vLLM ignores it
+
+    # OpenAI's and vLLM's fields (vllm/entrypoints/openai/completion/protocol.py, chat_completion/protocol.py)
+    # that clients send at their defaults: accepted at a value that asks for nothing, refused by name otherwise.
+    # (vLLM accepts them all, and any unknown field with a log line; minivllm refuses fields it does not know.)
     echo: NoOp(False) = None  # completions' echo needs prompt logprobs
     logit_bias: NoOp({}) = None
     response_format: NoOp({"type": "text"}) = None
@@ -107,37 +136,6 @@ class VLLMNoOps(OpenAIModel):
     thinking_token_budget: NoOp(-1) = None
     stream_interval: NoOp(1) = None
     watermarking: NoOp(False) = None
-
-
-class StreamOptions(OpenAIModel):
-    include_usage: bool | None = None
-    continuous_usage_stats: bool | None = None
-
-
-class SamplingFields(VLLMNoOps):
-    """The fields both generation endpoints share: OpenAI's, plus vLLM's extras (`top_k`, `min_p`,
-    `ignore_eos`, `stop_token_ids`, ..., which the `openai` client sends through `extra_body`)."""
-
-    model: str | None = None
-    n: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-    include_stop_str_in_output: bool | None = None
-    skip_special_tokens: bool | None = None
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
-    user: str | None = Field(None, max_length=MAX_USER_CHARS)  # the client ("": none); vLLM ignores it
 
 
 class CompletionRequest(SamplingFields):

@@ -53,14 +53,6 @@ class EngineOption:
 
 
 LLM_OPTIONS: dict[str, EngineOption] = {}  # keyword -> option, registered by later chapters in book order
-ATTENTION_SELECTORS: list[Callable[[str, torch.device], type[PagedAttention]]] = []  # the last one registered picks
-
-
-def reference_backend(name: str, device: torch.device) -> type[PagedAttention]:
-    """Chapter 5's PyTorch backend: what "auto" means while no selector of faster kernels is registered."""
-    if name not in ("auto", "torch"):
-        raise ValueError(f"attention_backend = {name!r}: no selector registered knows it; so far only 'torch'")
-    return PagedAttention
 
 
 CPU_KV_CACHE_BYTES = 512 * 2**20
@@ -79,7 +71,7 @@ class LLM:
             raise TypeError(f"LLM() got an unexpected keyword argument {unknown[0]!r} (the keywords later "
                             f"chapters have registered so far: {sorted(LLM_OPTIONS) or 'none'})")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        backend = (ATTENTION_SELECTORS[-1] if ATTENTION_SELECTORS else reference_backend)(attention_backend, device)
+        backend = self.select_attention_backend(attention_backend, device)
         planned, self.tokenizer = load_model(model, dtype=dtype, device=device, weights=False)
         check_compatible(options, planned.lm_head.weight.dtype)  # the pairs of later chapters' features refused
         config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs,
@@ -132,6 +124,11 @@ class LLM:
                 self.engine.release(request_id)
         return [done[request_id] for request_id in ids]
 
+    @staticmethod
+    def select_attention_backend(name: str, device: torch.device) -> type[PagedAttention]:
+        """The kernels this device runs (C++ on a CPU, Triton on a GPU) for "auto", or the backend named."""
+        return attention_backend_class(name, device)
+
     def _parse(self, index: int, prompt) -> tuple[list[int], str | None, str | None]:
         """A prompt is a string, {"prompt": str} or {"prompt_token_ids": [...]}, optionally with "cache_salt"."""
         text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
@@ -180,10 +177,6 @@ def use_prefix_caching(build: EngineBuild, enabled: bool) -> None:
 
 
 LLM_OPTIONS["enable_prefix_caching"] = EngineOption(True, use_prefix_caching)
-
-
-if attention_backend_class not in ATTENTION_SELECTORS:  # a notebook cell may run twice
-    ATTENTION_SELECTORS.append(attention_backend_class)
 
 
 def use_cpu_gemv(build, setting: str) -> None:

@@ -79,14 +79,12 @@ class KVEventPublisher:
         self.mirror = BlockIndex(1)  # what the events said so far, copies counted, as the router keeps it
         self.subscribers: list[Subscriber] = []
         self.task: asyncio.Task | None = None
-        self.published = 0
         self.resyncs = 0  # subscribers that fell behind by MAX_BACKLOG lines
 
     def drain(self) -> None:
         for event in self.take_events():
             self.mirror.apply(0, event)
             line = json.dumps(event_to_json(event)) + "\n"
-            self.published += 1
             for subscriber in self.subscribers:
                 subscriber.offer(line)
 

@@ -1,4 +1,4 @@
-"""Chapter 8b's C++ norm and rotation (`minivllm/kernels/cpu_ops.py`), which `LLM(cpu_ops="auto")` puts in place of
+"""Chapter 8b's C++ norm and rotation (`minivllm/kernels/cpu_ops.py`, the layers in `minivllm/model/cpu_layers.py`), which `LLM(cpu_ops="auto")` puts in place of
 chapter 1's `RMSNorm` and `RotaryEmbedding` on a CPU.
 
 - **`rms_norm`** against chapter 1's `RMSNorm` on the same rows, 2-D and 3-D (Qwen3's per-head q/k norms): fp32
@@ -23,8 +23,9 @@ from torch import nn
 
 from minivllm import LLM, SamplingParams
 from minivllm.entrypoints import llm as entrypoint
-from minivllm.kernels import cpu_ops
-from minivllm.kernels.cpu_ops import CPURMSNorm, CPURotaryEmbedding, load_cpu_ops, use_cpu_ops
+from minivllm.kernels.cpu_ops import load_cpu_ops
+from minivllm.model import cpu_layers
+from minivllm.model.cpu_layers import CPURMSNorm, CPURotaryEmbedding, use_cpu_ops
 from minivllm.kernels.build import KernelUnavailable
 from minivllm.model.layers import RMSNorm, RotaryEmbedding
 from tests.conftest import kernel_or_skip
@@ -113,7 +114,7 @@ def test_a_model_without_cpu_fp32_or_bf16_modules_compiles_nothing(monkeypatch):
     def no_build():
         raise AssertionError("the operations were built for a float16 model")
 
-    monkeypatch.setattr(cpu_ops, "load_cpu_ops", no_build)
+    monkeypatch.setattr(cpu_layers, "load_cpu_ops", no_build)
     model = Block(torch.float16)
     assert use_cpu_ops(model) == 0 and type(model.norm) is RMSNorm
 

@@ -17,7 +17,8 @@ from minivllm.entrypoints.compatibility import check_compatible
 from minivllm.kernels.build import kernel_available
 from minivllm.kernels.cpu_gemv import use_gemv
 from minivllm.kernels.cpu_int8 import use_int8
-from minivllm.kernels.cpu_ops import load_cpu_ops, use_cpu_ops
+from minivllm.kernels.cpu_ops import load_cpu_ops
+from minivllm.model.cpu_layers import use_cpu_ops
 from minivllm.model.loader import DEFAULT_MODEL, load_model
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams

@@ -3,10 +3,8 @@
 import functools
 
 import torch
-from torch import nn
 
 from minivllm.kernels.build import load_kernel
-from minivllm.model.layers import RMSNorm, RotaryEmbedding
 
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -17,38 +15,3 @@ def load_cpu_ops(isa: str | None = None):
     """csrc/cpu_ops.cpp compiled for this CPU (or `isa`): `rms_norm`, `rotary_`. -ffp-contract=off: no fused
     multiply-add, so the rotation rounds as chapter 1's does."""
     return load_kernel("cpu_ops", ("-ffp-contract=off",), isa)
-
-
-class CPURMSNorm(RMSNorm):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype in KERNEL_DTYPES and x.dtype == self.weight.dtype:
-            return load_cpu_ops().rms_norm(x, self.weight, self.eps)
-        return super().forward(x)
-
-
-class CPURotaryEmbedding(RotaryEmbedding):
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        if q.dtype in KERNEL_DTYPES and q.dtype == k.dtype and q.is_contiguous() and k.is_contiguous():
-            load_cpu_ops().rotary_(positions, q, k, self.cos, self.sin)  # q and k are this layer's own, fresh
-            return q, k
-        return super().forward(positions, q, k)
-
-
-def on_cpu(module: nn.Module) -> bool:
-    tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-    return all(t.device.type == "cpu" for t in tensors) and any(t.dtype in KERNEL_DTYPES for t in tensors)
-
-
-def use_cpu_ops(model: nn.Module) -> int:
-    """Puts a CPURMSNorm / CPURotaryEmbedding, holding the same Parameters and tables, in the place of each plain
-    RMSNorm / RotaryEmbedding of `model` on a CPU; returns how many. A model with none compiles nothing."""
-    swaps = {RMSNorm: CPURMSNorm, RotaryEmbedding: CPURotaryEmbedding}
-    eligible = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-                if type(child) in swaps and on_cpu(child)]
-    if eligible:
-        load_cpu_ops()  # a build that fails raises here, before any module changes
-    for parent, name, child in eligible:
-        swapped = swaps[type(child)].__new__(swaps[type(child)])
-        swapped.__dict__ = dict(child.__dict__)  # the same Parameters, tables and settings: nothing copied
-        setattr(parent, name, swapped)
-    return len(eligible)

@@ -106,7 +106,7 @@ def test_a_kv_event_subscriber_that_never_reads_has_a_bounded_backlog_then_a_sna
         from collections import deque
 
         events = deque()
-        publisher = KVEventPublisher(events, block_size=4)
+        publisher = KVEventPublisher(lambda: [events.popleft() for _ in range(len(events))], block_size=4)
         subscriber = publisher.subscribe()
         for i in range(3 * MAX_BACKLOG):
             events.append(BlockStored([h(f"b{i}")], None, [0] * 4, 4))
